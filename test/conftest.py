@@ -1,0 +1,51 @@
+"""Test session setup: an 8-device PJRT CPU client in SPMD mode.
+
+The environment must be set before torch_xla is imported, SPMD must be enabled
+before the first XLA tensor exists, and the XLA device is touched once before
+any CPU-only backward runs (torch 2.9 sizes autograd's per-device queues at the
+first backward in the process).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()
+torch.zeros(1, device=torch_xla.device())
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return torch_xla.device()
+
+
+@pytest.fixture(scope="session")
+def num_devices() -> int:
+    n = xr.global_runtime_device_count()
+    assert n == 8, f"the suite expects 8 virtual CPU devices, got {n}"
+    return n
+
+
+@pytest.fixture
+def mesh_4x2(num_devices):
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(num_devices), (4, 2), ("x", "y"))
+
+
+@pytest.fixture
+def mesh_1d(num_devices):
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
