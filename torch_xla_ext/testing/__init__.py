@@ -1,7 +1,7 @@
 """Helpers for tests of code that must not move data between host and XLA device.
 
-``measure_transfers()`` measures torch_xla's transfer metrics around a block
-(``with measure_transfers() as m: ...; assert not m.device_to_host``) and
+``measure_transfers()`` measures torch_xla's transfer metrics around exactly a
+block (``with measure_transfers() as m: ...; assert not m.device_to_host``) and
 ``no_host_transfers()`` is the one-line assertion. The pytest plugin in
 :mod:`torch_xla_ext.testing.plugin` (a ``pytest11`` entry point) adds the
 ``@pytest.mark.no_host_transfers`` marker and the ``no_host_transfers`` fixture.
@@ -9,18 +9,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from ..transfer_guard import TransferStats, measure_transfers, no_host_transfers
 
-from .._lazy import lazy_exports
-
-_EXPORTS = {
-    "TransferStats": "..transfer_guard",
-    "measure_transfers": "..transfer_guard",
-    "no_host_transfers": "..transfer_guard",
-}
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:
-    from ..transfer_guard import TransferStats, measure_transfers, no_host_transfers
+__all__ = ["TransferStats", "measure_transfers", "no_host_transfers"]
