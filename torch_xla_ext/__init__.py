@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
+from .scan import scan, scan_layers
 from .transfer_guard import (
     HostTransferError,
     TransferStats,
@@ -34,6 +35,8 @@ __all__ = [
     "measure_transfers",
     "no_host_transfers",
     "read_hlo",
+    "scan",
+    "scan_layers",
     "transfer_guard",
     "transfer_guard_device_to_host",
     "transfer_guard_host_to_device",

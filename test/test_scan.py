@@ -1,0 +1,401 @@
+"""scan: values and gradients against Python loops and jax.lax.scan, closures, RNG, SPMD, caching, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+from functorch.compile import min_cut_rematerialization_partition
+
+import torch_xla_ext as txe
+from torch_xla_ext.scan import clear_scan_cache, scan_cache_info
+from torch_xla_ext.testing import measure_transfers
+
+X = torch_xla._XLAC
+
+
+def spec(t: torch.Tensor) -> str:
+    return X._get_xla_sharding_spec(t)
+
+
+def python_scan(fn, init, xs, length=None, reverse=False):
+    """The reference: jax.lax.scan's semantics as a Python loop."""
+    import torch.utils._pytree as pt
+
+    n = length if xs is None else pt.tree_leaves(xs)[0].shape[0]
+    carry, ys = init, [None] * n
+    for i in reversed(range(n)) if reverse else range(n):
+        x = None if xs is None else pt.tree_map(lambda v, i=i: v[i], xs)
+        carry, ys[i] = fn(carry, x)
+    if n == 0:
+        return carry, None
+    return carry, pt.tree_map(lambda *v: None if v[0] is None else torch.stack(v), *ys)
+
+
+def to_cpu(tree):
+    import torch.utils._pytree as pt
+
+    return pt.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def assert_close_trees(a, b, **kw):
+    import torch.utils._pytree as pt
+
+    la, sa = pt.tree_flatten(to_cpu(a))
+    lb, sb = pt.tree_flatten(to_cpu(b))
+    assert sa == sb
+    for x, y in zip(la, lb):
+        torch.testing.assert_close(x, y, **kw)
+
+
+# --------------------------------------------------------------------------- values
+
+
+def cumsum_fn(c, x):
+    c = c + x
+    return c, c
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_matches_loop(device, reverse):
+    xs_ = torch.randn(7, 3).to(device)
+    init = torch.zeros(3).to(device)
+    got = txe.scan(cumsum_fn, init, xs_, reverse=reverse)
+    assert_close_trees(got, python_scan(cumsum_fn, init.cpu(), xs_.cpu(), reverse=reverse))
+
+
+def test_pytrees_and_none_outputs(device):
+    def fn(carry, x):
+        h, count = carry["h"], carry["n"]
+        h = torch.tanh(h @ x["w"] + x["b"])
+        return {"h": h, "n": count + 1}, (h.sum(-1), None, {"sq": h * h})
+
+    init = {"h": torch.randn(2, 4).to(device), "n": torch.zeros((), dtype=torch.int32).to(device)}
+    xs_ = {"w": torch.randn(5, 4, 4).to(device), "b": torch.randn(5, 4).to(device)}
+    carry, ys = txe.scan(fn, init, xs_)
+    ref_carry, ref_ys = python_scan(fn, to_cpu(init), to_cpu(xs_))
+    assert carry["n"].dtype == torch.int32 and int(carry["n"].cpu()) == 5
+    assert ys[1] is None
+    assert_close_trees(carry, ref_carry, atol=1e-5, rtol=1e-5)
+    assert_close_trees((ys[0], ys[2]), (ref_ys[0], ref_ys[2]), atol=1e-5, rtol=1e-5)
+
+
+def test_xs_none_with_length(device):
+    def fn(c, x):
+        assert x is None
+        return c * 2, c.sum()
+
+    carry, ys = txe.scan(fn, torch.ones(3).to(device), None, length=4)
+    torch.testing.assert_close(carry.cpu(), torch.full((3,), 16.0))
+    torch.testing.assert_close(ys.cpu(), torch.tensor([3.0, 6.0, 12.0, 24.0]))
+
+
+def test_zero_length_returns_init_and_empty_ys(device):
+    init = torch.randn(3).to(device)
+
+    def fn(c, x):
+        return c + x.sum(), {"a": c * 2, "b": x[:2].to(torch.int64)}
+
+    carry, ys = txe.scan(fn, init, torch.zeros(0, 5).to(device))
+    assert carry is init
+    assert ys["a"].shape == (0, 3) and ys["a"].dtype == torch.float32
+    assert ys["b"].shape == (0, 2) and ys["b"].dtype == torch.int64
+    carry, ys = txe.scan(lambda c, x: (c, c), init, None, length=0)
+    assert carry is init and ys.shape == (0, 3)
+
+
+def test_closures_read_outside_tensors(device):
+    w = torch.randn(4, 4).to(device)
+    bias = torch.randn(4).to(device)
+    torch_xla.sync()
+
+    def fn(c, x):
+        table = torch.tensor([1.0, 2.0, 3.0, 4.0], device=device)  # created inside fn
+        h = torch.tanh(c @ w + x + bias) * table
+        return h, h.mean()
+
+    init, xs_ = torch.randn(4).to(device), torch.randn(6, 4).to(device)
+    got = txe.scan(fn, init, xs_)
+    w_c, b_c = w.cpu(), bias.cpu()
+
+    def ref(c, x):
+        h = torch.tanh(c @ w_c + x + b_c) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+        return h, h.mean()
+
+    assert_close_trees(got, python_scan(ref, init.cpu(), xs_.cpu()), atol=1e-5, rtol=1e-5)
+
+
+def test_mutating_an_outside_tensor_is_an_error(device):
+    state = torch.zeros(3).to(device)
+
+    def fn(c, x):
+        state.add_(x)
+        return c, x
+
+    with pytest.raises(RuntimeError, match="mutates a tensor defined outside"):
+        txe.scan(fn, torch.zeros(3).to(device), torch.ones(2, 3).to(device))
+
+
+# ------------------------------------------------------------------------ autograd
+
+
+def rnn_cell(params):
+    w, u = params
+
+    def fn(h, x):
+        h = torch.tanh(h @ w + x @ u)
+        return h, (h * h).sum(-1)
+
+    return fn
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("partition", [None, min_cut_rematerialization_partition], ids=["save", "mincut"])
+def test_gradients_match_loop(device, reverse, partition):
+    torch.manual_seed(0)
+    cpu = {"w": torch.randn(4, 4) * 0.5, "u": torch.randn(3, 4), "h": torch.randn(2, 4), "x": torch.randn(6, 2, 3)}
+
+    def run(dev, use_scan):
+        t = {k: v.clone().to(dev).requires_grad_() for k, v in cpu.items()}
+        fn = rnn_cell((t["w"], t["u"]))
+        if use_scan:
+            carry, ys = txe.scan(fn, t["h"], t["x"], reverse=reverse, partition_fn=partition)
+        else:
+            carry, ys = python_scan(fn, t["h"], t["x"], reverse=reverse)
+        loss = (carry * carry).sum() + (ys * torch.linspace(0, 1, 6, device=dev)[:, None]).sum()
+        loss.backward()
+        return to_cpu((carry, ys)), {k: v.grad.cpu() for k, v in t.items()}
+
+    got, got_grads = run(device, True)
+    ref, ref_grads = run("cpu", False)
+    assert_close_trees(got, ref, atol=1e-4, rtol=1e-4)
+    assert_close_trees(got_grads, ref_grads, atol=1e-4, rtol=1e-4)
+
+
+def test_gradient_only_to_closure(device):
+    w = torch.randn(3, 3).to(device).requires_grad_()
+    init, xs_ = torch.randn(3).to(device), torch.randn(4, 3).to(device)
+    carry, _ = txe.scan(lambda c, x: (torch.sin(c @ w) + x, None), init, xs_)
+    carry.sum().backward()
+    w_ref = w.detach().cpu().requires_grad_()
+    c = init.cpu()
+    for i in range(4):
+        c = torch.sin(c @ w_ref) + xs_.cpu()[i]
+    c.sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), w_ref.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_no_grad_mode_builds_no_backward(device):
+    w = torch.randn(3, 3).to(device).requires_grad_()
+    with torch.no_grad():
+        carry, _ = txe.scan(lambda c, x: (c @ w + x, None), torch.randn(3).to(device), torch.randn(2, 3).to(device))
+    assert not carry.requires_grad
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def noisy(c, x):
+    y = c + torch.rand_like(c)
+    return y, y - c
+
+
+def test_random_ops_differ_per_iteration_and_are_reproducible(device):
+    init = torch.zeros(16).to(device)
+    torch.manual_seed(7)
+    _, draws_a = txe.scan(noisy, init, None, length=5)
+    torch.manual_seed(7)
+    _, draws_b = txe.scan(noisy, init, None, length=5)  # served from the cache
+    torch.manual_seed(8)
+    _, draws_c = txe.scan(noisy, init, None, length=5)
+    a, b, c = draws_a.cpu(), draws_b.cpu(), draws_c.cpu()
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert all(not torch.equal(a[i], a[j]) for i in range(5) for j in range(i))
+    assert float(a.min()) >= 0.0 and float(a.max()) < 1.0
+
+
+# ---------------------------------------------------------------------------- SPMD
+
+
+def test_spmd_1d_forward_backward_without_host_transfers(device, mesh_1d):
+    L, D = 4, 64
+    ws = torch.randn(L, D, D).to(device) / D**0.5
+    xs.mark_sharding(ws, mesh_1d, (None, "fsdp", None))
+    ws.requires_grad_()
+    emb = torch.randn(D, D).to(device)
+    xs.mark_sharding(emb, mesh_1d, ("fsdp", None))
+    emb.requires_grad_()
+    h0 = torch.randn(16, D).to(device)
+    xs.mark_sharding(h0, mesh_1d, ("fsdp", None))
+    torch_xla.sync()
+
+    def layer(h, w):
+        out = torch.relu(h @ w) @ emb + h
+        return out, out.mean()
+
+    with measure_transfers() as m:
+        with txe.no_host_transfers():
+            carry, ys = txe.scan(layer, h0, ws)
+            (carry.sum() + ys.sum()).backward()
+            torch_xla.sync()
+    assert not m.device_to_host, m.report()
+    assert spec(carry) == spec(h0)
+    assert spec(ws.grad) == spec(ws) and spec(emb.grad) == spec(emb)
+    # numerics against an eager CPU loop
+    ws_c, emb_c, h_c = ws.detach().cpu().requires_grad_(), emb.detach().cpu().requires_grad_(), h0.cpu()
+    ref_carry, ref_ys = python_scan(lambda h, w: ((torch.relu(h @ w) @ emb_c + h),) * 2, h_c, ws_c)
+    (ref_carry.sum() + ref_ys.mean(dim=(1, 2)).sum()).backward()
+    torch.testing.assert_close(carry.cpu(), ref_carry.detach(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(ws.grad.cpu(), ws_c.grad, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(emb.grad.cpu(), emb_c.grad, atol=1e-3, rtol=1e-3)
+
+
+def test_spmd_2d_shardings_and_mark_sharding_inside_fn(device, mesh_4x2):
+    D = 32
+    ws = torch.randn(3, D, D).to(device) / D**0.5
+    xs.mark_sharding(ws, mesh_4x2, (None, "x", "y"))
+    ws.requires_grad_()
+    h0 = torch.randn(8, D).to(device)
+    xs.mark_sharding(h0, mesh_4x2, ("x", "y"))
+    h0.requires_grad_()
+    torch_xla.sync()
+
+    def layer(h, w):
+        xs.mark_sharding(h, mesh_4x2, ("x", None))  # torch_xla issue 8742: the input is device data
+        out = torch.tanh(h @ w)
+        return out, None
+
+    with measure_transfers() as m:
+        with txe.no_host_transfers():
+            carry, _ = txe.scan(layer, h0, ws)
+            carry.sum().backward()
+            torch_xla.sync()
+    assert not m.device_to_host, m.report()
+    assert spec(carry) == spec(h0) == "{devices=[4,2]0,1,2,3,4,5,6,7}"
+    assert spec(ws.grad) == spec(ws) and spec(h0.grad) == spec(h0)
+    ws_c, h_c = ws.detach().cpu().requires_grad_(), h0.detach().cpu().requires_grad_()
+    ref, _ = python_scan(lambda h, w: (torch.tanh(h @ w), None), h_c, ws_c)
+    ref.sum().backward()
+    torch.testing.assert_close(carry.cpu(), ref.detach(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ws.grad.cpu(), ws_c.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(h0.grad.cpu(), h_c.grad, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def scaled_step(c, x):
+    return c * 0.5 + x, c
+
+
+def test_pure_fn_is_traced_and_compiled_once(device):
+    clear_scan_cache()
+    init, xs_ = torch.randn(4).to(device), torch.randn(3, 4).to(device)
+    out1 = txe.scan(scaled_step, init, xs_)
+    torch_xla.sync()
+    info = scan_cache_info()
+    assert info.traces == 1 and info.hits == 0
+    compiles = met.metric_data("CompileTime")[0]
+    init2, xs2 = torch.randn(4).to(device), torch.randn(3, 4).to(device)  # new values, same shapes
+    out2 = txe.scan(scaled_step, init2, xs2)
+    torch_xla.sync()
+    info = scan_cache_info()
+    assert info.traces == 1 and info.hits == 1
+    assert met.metric_data("CompileTime")[0] == compiles  # no recompilation either
+    assert_close_trees(out2, python_scan(scaled_step, init2.cpu(), xs2.cpu()))
+    assert_close_trees(out1, python_scan(scaled_step, init.cpu(), xs_.cpu()))
+    txe.scan(scaled_step, torch.randn(5).to(device), torch.randn(3, 5).to(device))  # new shapes
+    assert scan_cache_info().traces == 2
+    txe.scan(scaled_step, init2, xs2, is_fn_pure=False)
+    assert scan_cache_info().traces == 3
+
+
+def test_cached_plan_reads_current_values_of_outside_tensors(device):
+    w = torch.ones(3).to(device)
+
+    def fn(c, x):
+        return c + w * x, None
+
+    init, xs_ = torch.zeros(3).to(device), torch.ones(2, 3).to(device)
+    first, _ = txe.scan(fn, init, xs_)
+    torch.testing.assert_close(first.cpu(), torch.full((3,), 2.0))
+    with torch.no_grad():
+        w.mul_(10)  # an optimizer-style in-place update between calls
+    torch_xla.sync()
+    second, _ = txe.scan(fn, init, xs_)
+    torch.testing.assert_close(second.cpu(), torch.full((3,), 20.0))
+
+
+# -------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (lambda c, x: ({"a": c["a"]}, None), r"structure"),
+        (lambda c, x: ({"a": c["a"], "b": c["b"][:1]}, None), r"carry\['b'\].*shape"),
+        (lambda c, x: ({"a": c["a"].double(), "b": c["b"]}, None), r"carry\['a'\].*float64"),
+        (lambda c, x: c, r"pair"),
+        (lambda c, x: ({"a": c["a"], "b": 3.0}, None), r"carry\['b'\].*torch.Tensor"),
+        (lambda c, x: (c, [x, "text"]), r"y\[1\].*torch.Tensor"),
+    ],
+    ids=["structure", "shape", "dtype", "not-a-pair", "non-tensor-carry", "non-tensor-y"],
+)
+def test_bad_fn_errors_name_the_pytree_path(device, fn, match):
+    init = {"a": torch.zeros(2).to(device), "b": torch.zeros(3).to(device)}
+    with pytest.raises((ValueError, TypeError), match=match):
+        txe.scan(fn, init, torch.zeros(2, 1).to(device))
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    ok = lambda c, x: (c, None)  # noqa: E731
+    c = torch.zeros(2).to(device)
+    with pytest.raises(ValueError, match=r"xs\['b'\] has 3"):
+        txe.scan(ok, c, {"a": torch.zeros(2, 1).to(device), "b": torch.zeros(3, 1).to(device)})
+    with pytest.raises(TypeError, match=r"init\[1\].*torch.Tensor"):
+        txe.scan(ok, (c, 1.0), torch.zeros(2, 1).to(device))
+    with pytest.raises(TypeError, match=r"xs\[0\].*XLA device"):
+        txe.scan(ok, c, [torch.zeros(2, 1)])
+    with pytest.raises(ValueError, match="length is required"):
+        txe.scan(ok, c, None)
+    with pytest.raises(ValueError, match="length=3"):
+        txe.scan(ok, c, torch.zeros(2, 1).to(device), length=3)
+    with pytest.raises(ValueError, match=r"xs\[0\] is a scalar"):
+        txe.scan(ok, c, [torch.zeros(()).to(device)])
+    with pytest.raises(TypeError, match="callable"):
+        txe.scan(None, c, None, length=1)
+    with pytest.raises(ValueError, match="non-negative"):
+        txe.scan(ok, c, None, length=-1)
+
+
+# ----------------------------------------------------------------------------- jax
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_against_jax_lax_scan(device, reverse):
+    jax = pytest.importorskip("jax", reason="the jax.lax.scan comparison needs jax (in the test extra)")
+    jnp = jax.numpy
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 4)).astype(np.float32) * 0.5
+    xs_np = rng.standard_normal((6, 4)).astype(np.float32)
+    h0 = rng.standard_normal(4).astype(np.float32)
+
+    def jfn(h, x):
+        h = jnp.tanh(h @ w + x)
+        return h, jnp.cumsum(h)
+
+    jcarry, jys = jax.lax.scan(jfn, jnp.asarray(h0), jnp.asarray(xs_np), reverse=reverse)
+    wt = torch.from_numpy(w).to(device)
+
+    def tfn(h, x):
+        h = torch.tanh(h @ wt + x)
+        return h, torch.cumsum(h, 0)
+
+    carry, ys = txe.scan(tfn, torch.from_numpy(h0).to(device), torch.from_numpy(xs_np).to(device),
+                         reverse=reverse)
+    np.testing.assert_allclose(carry.cpu().numpy(), np.asarray(jcarry), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ys.cpu().numpy(), np.asarray(jys), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,986 @@
+"""``scan`` and ``scan_layers``: XLA ``while`` loops over a traced step function.
+
+``scan(fn, init, xs)`` has the semantics of ``jax.lax.scan``. ``fn`` is traced
+once on placeholder tensors (no device memory, nothing executed), lowered to
+HLO with :class:`~torch_xla_ext.LoweringContext`, and called from the body of a
+single XLA ``while`` loop. Every tensor the body reads besides its carry and
+slice -- tensors ``fn`` closes over, tensors it creates, the RNG seed -- is a
+loop-invariant operand fetched as a device reference (sharding kept, nothing
+copied to the host).
+
+Tensors ``fn`` closes over are *lifted*: a ``TorchFunctionMode`` active while
+``fn`` is traced substitutes each XLA tensor that was neither passed in nor
+created by ``fn`` with a placeholder, so outside tensors become explicit loop
+operands, receive gradients, and may not be mutated by ``fn``.
+
+Autograd: ``fn`` is split by AOTAutograd into a forward graph (outputs plus
+saved activations) and a backward graph, with ``partition_fn`` choosing what
+is saved and what is recomputed. The forward graph runs as one while loop that
+also stacks the saved activations; the backward graph runs as a second, reverse
+while loop that carries the carry's gradient and accumulates the gradients of
+lifted outside tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import re
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from .lowering import LoweringContext
+
+__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
+
+PyTree = Any
+
+# --------------------------------------------------------------------------- #
+# Pytree helpers.
+# --------------------------------------------------------------------------- #
+
+
+def _leaves_with_paths(tree: PyTree, root: str) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
+    flat, spec = pytree.tree_flatten_with_path(tree)
+    return [(root + pytree.keystr(path), leaf) for path, leaf in flat], spec
+
+
+def _check_tensor_leaves(named: list[tuple[str, Any]], allow_none: bool, who: str = "") -> None:
+    for path, leaf in named:
+        if leaf is None and allow_none:
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"scan: {who}{path} must be a torch.Tensor on the XLA device, got {type(leaf).__name__}")
+        if leaf.device.type != "xla":
+            raise TypeError(
+                f"scan: {who}{path} must be on the XLA device, got a tensor on {leaf.device}; "
+                f"move it with .to(torch_xla.device())"
+            )
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype)
+
+
+# --------------------------------------------------------------------------- #
+# Lifting tensors that fn closes over.
+# --------------------------------------------------------------------------- #
+
+
+def _is_inplace(func: Any, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    return kwargs.get("out") is not None or name in ("__setitem__", "__iadd__", "__isub__",
+                                                     "__imul__", "__itruediv__", "__set__")
+
+
+class _Lifter(TorchFunctionMode):
+    """Substitutes outside XLA tensors read by a traced function with stand-ins.
+
+    Known tensors are the inputs and every tensor produced while tracing; any
+    other XLA tensor that reaches a torch function is an *outside* tensor. The
+    first time one is seen it is replaced by ``standin_for(t)`` (a placeholder
+    of the same shape and dtype) and recorded, in order of first use. With
+    ``fixed`` pairs, those outside tensors map to the given stand-ins and any
+    other outside tensor is an error (used when re-tracing with AOTAutograd).
+    """
+
+    def __init__(self, inputs: Sequence[torch.Tensor],
+                 standin_for: Callable[[torch.Tensor], torch.Tensor] | None,
+                 fixed: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        super().__init__()
+        self._known: dict[int, torch.Tensor] = {id(t): t for t in inputs}
+        self._standin_for = standin_for
+        self.outside: list[torch.Tensor] = []
+        self.standins: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        self._alias: dict[int, torch.Tensor] = {}
+        for original, standin in fixed:
+            self._add(original, standin)
+
+    def alias(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """From now on, uses of ``tensor`` read ``value`` (a functional in-place update)."""
+        self._alias[id(tensor)] = value
+        self._known[id(value)] = value
+
+    def resolve(self, value: Any) -> Any:
+        return self._alias.get(id(value), value) if isinstance(value, torch.Tensor) else value
+
+    def _add(self, original: torch.Tensor, standin: torch.Tensor) -> torch.Tensor:
+        self._index[id(original)] = len(self.outside)
+        self.outside.append(original)
+        self.standins.append(standin)
+        self._known[id(standin)] = standin
+        return standin
+
+    def _swap(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        alias = self._alias.get(id(value))
+        if alias is not None:
+            return alias
+        if id(value) in self._known:
+            return value
+        index = self._index.get(id(value))
+        if index is not None:
+            return self.standins[index]
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            # A wrapper subclass (torch_xla's XLAShardedTensor from mark_sharding):
+            # look through it, or leave it alone while it is being built.
+            inner = getattr(value, "global_tensor", None)
+            return self._swap(inner) if isinstance(inner, torch.Tensor) else value
+        if value.device.type != "xla":
+            return value
+        if self._standin_for is None:
+            raise RuntimeError(
+                f"scan: fn read an outside tensor of shape {tuple(value.shape)} that it did not read "
+                f"when first traced; fn must read the same tensors on every call"
+            )
+        return self._add(value, self._standin_for(value))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if (isinstance(target, torch.Tensor) and id(target) not in self._known
+                and target.device.type == "xla" and _is_inplace(func, kwargs)):
+            raise RuntimeError(
+                f"scan: fn mutates a tensor defined outside it ({getattr(func, '__name__', func)} on a "
+                f"tensor of shape {tuple(target.shape)}, dtype {target.dtype}). fn must be functional: "
+                f"return the new value through the carry instead."
+            )
+        args = pytree.tree_map(self._swap, args)
+        kwargs = pytree.tree_map(self._swap, kwargs)
+        out = func(*args, **kwargs)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._known[id(leaf)] = leaf
+        return out
+
+
+# --------------------------------------------------------------------------- #
+# The while loop.
+# --------------------------------------------------------------------------- #
+
+
+# --------------------------------------------------------------------------- #
+# Tracing and lowering one step into a while loop.
+# --------------------------------------------------------------------------- #
+
+
+def _xb():
+    import torch_xla.core.xla_builder as xb
+
+    return xb
+
+
+def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A device tensor with a shape and a dtype but no buffer: for tracing only."""
+    return _xb().create_placeholder_tensor(tuple(shape), dtype)
+
+
+def _not_device_data(t: torch.Tensor) -> torch.Tensor:
+    # A pending computation instead of device data, so that mark_sharding
+    # inside fn annotates the value rather than replacing the tensor's data,
+    # which would detach it from its HLO parameter. XLA removes the no-op.
+    return t * 1 if t.dtype != torch.bool else t.logical_and(True)
+
+
+@contextlib.contextmanager
+def _rng_state_kept():
+    """Undo the advance of torch_xla's RNG state caused by random ops traced in fn.
+
+    The loop draws its own seeds, so a traced call and a cached call leave the
+    RNG state in the same place. Reading the state moves no data.
+    """
+    import torch_xla.core.xla_model as xm
+
+    state = xm.get_rng_state()
+    try:
+        yield
+    finally:
+        xm.set_rng_state(state)
+
+
+def _shard_like(values: Sequence[torch.Tensor | None], refs: Sequence[torch.Tensor | None]) -> None:
+    """Annotate each lazy value with its reference tensor's sharding (if any)."""
+    import torch_xla
+
+    X = torch_xla._XLAC
+    for value, ref in zip(values, refs):
+        if value is None or ref is None:
+            continue
+        sharding = X._get_xla_op_sharding(ref)
+        if sharding is not None:
+            X._xla_mark_sharding(value, sharding)
+
+
+class _Traced(NamedTuple):
+    """One lazy trace of a flat step function on placeholders."""
+
+    carry_ph: list[torch.Tensor]    # placeholders for the carry leaves
+    x_ph: list[torch.Tensor]        # placeholders for one slice of each xs leaf
+    outside_ph: list[torch.Tensor]  # placeholders for the outside tensors
+    outside: list[torch.Tensor]     # outside tensors the step read, in order of first use
+    carry_out: list[torch.Tensor]
+    ys: list[torch.Tensor]
+
+
+def _trace(step: Callable, carry: Sequence[tuple[tuple[int, ...], torch.dtype]],
+           x: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Traced:
+    """Run ``step(carry, x)`` lazily on placeholders, lifting outside tensors.
+
+    Nothing executes and no device memory is allocated.
+    """
+    carry_ph = [_placeholder(*s) for s in carry]
+    x_ph = [_placeholder(*s) for s in x]
+    outside_ph: list[torch.Tensor] = []
+
+    def standin(t: torch.Tensor) -> torch.Tensor:
+        ph = _placeholder(t.shape, t.dtype)
+        outside_ph.append(ph)
+        return _not_device_data(ph)
+
+    carry_in = [_not_device_data(t) for t in carry_ph]
+    x_in = [_not_device_data(t) for t in x_ph]
+    lifter = _Lifter(carry_ph + x_ph + carry_in + x_in, standin)
+    with lifter, _rng_state_kept():
+        carry_out, ys = step(carry_in, x_in)
+    return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), list(carry_out), list(ys))
+
+
+class _Loop(NamedTuple):
+    """A lowered while loop and how to assemble its operands."""
+
+    computation: Any
+    num_carry: int
+    num_xs: int
+    y_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    outside: tuple[torch.Tensor, ...]    # lifted outside tensors, read when the loop runs
+    constants: tuple[torch.Tensor, ...]  # device data the step created while traced
+    uses_seed: bool
+
+
+def _slice_op(op, idx, zero):
+    sizes = list(op.shape().sizes)
+    start = [idx] + [zero] * (len(sizes) - 1)
+    return op.dynamic_slice(start, [1] + sizes[1:]).reshape(sizes[1:])
+
+
+def _update_op(op, value, idx, zero):
+    sizes = list(op.shape().sizes)
+    start = [idx] + [zero] * (len(sizes) - 1)
+    return op.dynamic_update_slice(value.reshape([1] + sizes[1:]), start)
+
+
+def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
+    """``while i < length: carry, ys[idx] = step(carry, xs[idx])`` as one XLA computation.
+
+    Operands: ``i, *carry, *xs, *ys, *outside, *constants[, seed]``. ``idx`` is
+    ``i`` or ``length - 1 - i``; the step's RNG seed becomes ``seed + idx``.
+    """
+    xb = _xb()
+    for i, (before, after) in enumerate(zip(traced.carry_ph, traced.carry_out)):
+        if _signature(before) != _signature(after):
+            raise ValueError(
+                f"scan: fn changed carry leaf {i} from {tuple(before.shape)} {before.dtype} to "
+                f"{tuple(after.shape)} {after.dtype}; fn must return a carry like init"
+            )
+    ctx = LoweringContext(name)
+    ctx.build(traced.carry_out + traced.ys)
+    inputs = traced.carry_ph + traced.x_ph + traced.outside_ph
+    ids = ctx.tensor_parameter_ids(inputs)
+    taken = {i for i in ids if i >= 0}
+    constants, constant_ids, seed_id = [], [], -1
+    for p in ctx.parameters():
+        if p.number in taken:
+            continue
+        if p.kind == "seed":
+            seed_id = p.number
+        elif p.tensor is not None:
+            constants.append(p.tensor)
+            constant_ids.append(p.number)
+        else:  # pragma: no cover - the parameters of a lowered graph are device data
+            raise RuntimeError(f"scan: HLO parameter {p.number} ({p.name}) is not backed by device data")
+    num_params = len(ctx.module.entry_parameters)
+    n_c, n_x, n_y = len(traced.carry_ph), len(traced.x_ph), len(traced.ys)
+    n_o, n_k = len(traced.outside_ph), len(constants)
+
+    builder = xb.create_builder(name)
+    shapes = [xb.mkshape(xb.Type.S64, ())]
+    shapes += [xb.tensor_shape(t) for t in traced.carry_ph]
+    shapes += [xb.mkshape(xb.Op.from_torch_type(t.dtype), (length, *t.shape)) for t in traced.x_ph]
+    shapes += [xb.mkshape(xb.Op.from_torch_type(y.dtype), (length, *y.shape)) for y in traced.ys]
+    shapes += [xb.tensor_shape(t) for t in traced.outside_ph]
+    shapes += [xb.tensor_shape(t) for t in constants]
+    if seed_id >= 0:
+        shapes.append(xb.mkshape(xb.Type.S64, ()))
+    operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
+    body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
+
+    def cond_fn(i, *_rest):
+        return i < xb.Op.scalar(i.builder(), length, dtype=xb.Type.S64)
+
+    def body_fn(i, *rest):
+        rest = list(rest)
+        carry, rest = rest[:n_c], rest[n_c:]
+        xs, rest = rest[:n_x], rest[n_x:]
+        ys, rest = rest[:n_y], rest[n_y:]
+        invariant = rest  # outside, constants, seed: passed through unchanged
+        b = i.builder()
+        zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
+        idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S64) - i if reverse else i
+        args: list[Any] = [None] * num_params
+        for pid, op in zip(ids, carry + [_slice_op(x, idx, zero) for x in xs] + invariant[:n_o]):
+            if pid >= 0:
+                args[pid] = op
+        for pid, op in zip(constant_ids, invariant[n_o:n_o + n_k]):
+            args[pid] = op
+        if seed_id >= 0:
+            args[seed_id] = invariant[-1] + idx
+        result = xb.Op.call(body, args)
+        new_carry = [result.get_tuple_element(k) for k in range(n_c)]
+        new_ys = [_update_op(ys[k], result.get_tuple_element(n_c + k), idx, zero) for k in range(n_y)]
+        one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
+        return xb.Op.tuple([i + one] + new_carry + xs + new_ys + invariant)
+
+    computation = xb.Op.mkwhile(operands, cond_fn, body_fn).build(name)
+    return _Loop(
+        computation=computation,
+        num_carry=n_c,
+        num_xs=n_x,
+        y_shapes=tuple((tuple(y.shape), y.dtype) for y in traced.ys),
+        outside=tuple(traced.outside),
+        constants=tuple(constants),
+        uses_seed=seed_id >= 0,
+    )
+
+
+def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], length: int,
+         outside: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Add the loop to the lazy graph; returns (carry, ys) as lazy XLA tensors."""
+    import torch_xla
+
+    device = torch_xla.device()
+    operands = [torch.zeros((), dtype=torch.int64, device=device), *init, *xs]
+    operands += [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes]
+    operands += list(loop.outside if outside is None else outside)
+    operands += list(loop.constants)
+    if loop.uses_seed:
+        # A fresh base seed per call from torch's default generator, so results
+        # are reproducible under torch.manual_seed; step idx uses base + idx.
+        # (8 bytes host->device; nothing moves device->host.)
+        base = torch.randint(0, 2**62, (), dtype=torch.int64)
+        operands.append(base.to(device))
+    out = torch_xla._XLAC._xla_user_computation("xla::txe_scan", operands, loop.computation)
+    n_c, n_x = loop.num_carry, loop.num_xs
+    return list(out[1:1 + n_c]), list(out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_shapes)])
+
+
+# --------------------------------------------------------------------------- #
+# Autograd: forward and backward graphs from AOTAutograd, each run as a loop.
+# --------------------------------------------------------------------------- #
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+Sig = tuple[tuple[int, ...], torch.dtype]
+
+
+@contextlib.contextmanager
+def _traceable_mark_sharding(lifter: _Lifter):
+    """Make ``xs.mark_sharding`` inside fn work while AOTAutograd traces it.
+
+    The plain annotation cannot apply to the fake tensors of a trace. While
+    tracing, ``torch_xla.distributed.spmd.mark_sharding`` on a fake tensor
+    records torch_xla's traceable sharding op (which also shards the
+    gradient) and later uses of the tensor read the annotated value.
+    """
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+    from torch._subclasses.fake_tensor import is_fake
+
+    original = xla_sharding.mark_sharding
+
+    def mark_sharding(t, mesh, partition_spec):
+        if not isinstance(t, torch.Tensor) or not is_fake(t):
+            return original(t, mesh, partition_spec)
+        annotated = xla_sharding.MarkShardingFunction.apply(lifter.resolve(t), mesh, partition_spec)
+        lifter.alias(t, annotated)
+        return annotated
+
+    xs.mark_sharding = xla_sharding.mark_sharding = mark_sharding
+    try:
+        yield
+    finally:
+        xs.mark_sharding = xla_sharding.mark_sharding = original
+
+
+class _GradPlan:
+    """``fn`` split into forward/backward graphs, and the loops that run them.
+
+    Primal inputs of the graphs are ``carry + x + outside``. The forward graph
+    returns ``carry_out + y + saved``; saved activations that are just an x
+    slice or an outside tensor are not stacked by the forward loop but read
+    again by the backward loop.
+    """
+
+    def __init__(self, step: Callable, carry: list[Sig], x: list[Sig], x_grad: list[bool],
+                 outside: list[torch.Tensor], length: int, reverse: bool,
+                 partition_fn: Callable | None) -> None:
+        from functorch.compile import aot_function, default_partition, make_boxed_func
+
+        self.n_c, self.n_x, self.n_o = len(carry), len(x), len(outside)
+        self.length, self.reverse = length, reverse
+        self.outside = list(outside)
+        captured: dict[str, torch.fx.GraphModule] = {}
+
+        def capture(kind: str):
+            def compiler(gm: torch.fx.GraphModule, _inputs):
+                captured[kind] = gm
+                return make_boxed_func(gm)
+
+            return compiler
+
+        n_c, n_x = self.n_c, self.n_x
+
+        def primal_fn(*args):
+            lifter = _Lifter(args, None, fixed=list(zip(outside, args[n_c + n_x:])))
+            with lifter, _traceable_mark_sharding(lifter):
+                carry_out, ys = step(list(args[:n_c]), list(args[n_c:n_c + n_x]))
+            carry_out = [lifter.resolve(o) for o in carry_out]
+            ys = [lifter.resolve(o) for o in ys]
+            ins = {id(a) for a in args}
+            # Outputs aliasing inputs would be rebuilt outside the captured graph.
+            return tuple(o.clone() if id(o) in ins or o._is_view() else o for o in carry_out + ys)
+
+        import torch_xla
+
+        device = torch_xla.device()
+
+        def example(shape, dtype, grad: bool) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad)
+
+        args = [example(s, d, _is_float_dtype(d)) for s, d in carry]
+        args += [example(s, d, g and _is_float_dtype(d)) for (s, d), g in zip(x, x_grad)]
+        args += [example(t.shape, t.dtype, t.requires_grad) for t in outside]
+        with torch.enable_grad():
+            compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
+                                    partition_fn=partition_fn or default_partition, enable_log=False)
+            outs = compiled(*args)
+            self.tangent_mask = [o.requires_grad for o in outs]
+            diff = [o for o in outs if o.requires_grad]
+            if diff:
+                torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+        self.num_y = len(outs) - n_c
+        self.fw = captured["fw"]
+        self.bw = captured.get("bw")
+        self.grad_mask = [a.requires_grad for a in args]
+        out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
+        placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]
+        saved_nodes = out_nodes[len(outs):]
+        # Where each saved activation comes from: ("stacked", k), ("x", j) or ("outside", k).
+        self.saved_src: list[tuple[str, int]] = []
+        stacked = 0
+        for node in saved_nodes:
+            pos = placeholders.index(node) if node in placeholders else -1
+            if n_c <= pos < n_c + n_x:
+                self.saved_src.append(("x", pos - n_c))
+            elif pos >= n_c + n_x:
+                self.saved_src.append(("outside", pos - n_c - n_x))
+            else:
+                self.saved_src.append(("stacked", stacked))
+                stacked += 1
+        self.num_stacked = stacked
+        self.x_aliased = sorted({j for kind, j in self.saved_src if kind == "x"})
+        self.carry_sig, self.x_sig = carry, x
+        self.fwd_loop = _lower(_trace(self._forward_step, carry, x), length, reverse, "scan_forward")
+        self.saved_sig = [s for s in self.fwd_loop.y_shapes[self.num_y:]]
+        self.y_sig = list(self.fwd_loop.y_shapes[:self.num_y])
+        self._bwd_loop: _Loop | None = None
+
+    def _forward_step(self, carry, x):
+        result = list(self.fw(*carry, *x, *self.outside))
+        n_out = self.n_c + self.num_y
+        saved = result[n_out:]
+        stacked = [saved[i] for i, (kind, _) in enumerate(self.saved_src) if kind == "stacked"]
+        return result[:self.n_c], result[self.n_c:n_out] + stacked
+
+    def _backward_step(self, carry, x):
+        n_c, n_x = self.n_c, self.n_x
+        float_carry = [i for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
+        grad_outside = [k for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+        g = dict(zip(float_carry, carry[:len(float_carry)]))
+        acc = carry[len(float_carry):]
+        stacked = x[:self.num_stacked]
+        x_slices = dict(zip(self.x_aliased, x[self.num_stacked:self.num_stacked + len(self.x_aliased)]))
+        gy = x[self.num_stacked + len(self.x_aliased):]
+        saved = []
+        for kind, k in self.saved_src:
+            saved.append(stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else self.outside[k])
+        tangents = [g[i] for i in range(n_c) if self.tangent_mask[i]]
+        tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[n_c + j]]
+        grads = list(self.bw(*saved, *tangents))
+
+        def grad_or_zeros(pos: int, sig: Sig) -> torch.Tensor:
+            value = grads[pos] if pos < len(grads) else None
+            return value if value is not None else torch.zeros(sig[0], dtype=sig[1], device=carry[0].device
+                                                               if carry else x[0].device)
+
+        new_g = [grad_or_zeros(i, self.carry_sig[i]) for i in float_carry]
+        new_acc = [a + grad_or_zeros(n_c + n_x + k, (tuple(self.outside[k].shape), self.outside[k].dtype))
+                   for a, k in zip(acc, grad_outside)]
+        gx = [grad_or_zeros(n_c + j, self.x_sig[j]) for j in range(n_x) if self.grad_mask[n_c + j]]
+        return new_g + new_acc, gx
+
+    def backward_loop(self) -> _Loop:
+        if self._bwd_loop is None:
+            n_c, n_x = self.n_c, self.n_x
+            carry = [self.carry_sig[i] for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
+            carry += [(tuple(self.outside[k].shape), self.outside[k].dtype)
+                      for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+            xs = list(self.saved_sig) + [self.x_sig[j] for j in self.x_aliased] + list(self.y_sig)
+            self._bwd_loop = _lower(_trace(self._backward_step, carry, xs), self.length,
+                                    not self.reverse, "scan_backward")
+        return self._bwd_loop
+
+
+def _is_float_dtype(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _sharding_ref(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` when it carries a sharding annotation (so a gradient can copy it), else None."""
+    import torch_xla
+
+    return t if torch_xla._XLAC._get_xla_sharding_spec(t) else None
+
+
+class _ScanFunction(torch.autograd.Function):
+    """Forward loop saving activations; backward loop in reverse."""
+
+    @staticmethod
+    def forward(ctx, plan: _GradPlan, *flat: torch.Tensor):
+        n_c, n_x = plan.n_c, plan.n_x
+        init, xs = list(flat[:n_c]), list(flat[n_c:n_c + n_x])
+        with torch.no_grad():
+            carry, ys_all = _run(plan.fwd_loop, init, xs, plan.length, outside=flat[n_c + n_x:])
+        ys, stacked = ys_all[:plan.num_y], ys_all[plan.num_y:]
+        ctx.plan = plan
+        ctx.refs = [_sharding_ref(t) for t in init + xs]
+        ctx.save_for_backward(*stacked, *[xs[j] for j in plan.x_aliased])
+        outs = carry + ys
+        ctx.mark_non_differentiable(*[t for t in outs if not _is_float(t)])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan: _GradPlan = ctx.plan
+        n_c, n_x = plan.n_c, plan.n_x
+        saved = list(ctx.saved_tensors)
+        stacked, aliased_xs = saved[:plan.num_stacked], saved[plan.num_stacked:]
+        import torch_xla
+
+        device = torch_xla.device()
+
+        def or_zeros(g, sig):
+            return g if g is not None else torch.zeros(sig[0], dtype=sig[1], device=device)
+
+        float_carry = [i for i in range(n_c) if _is_float_dtype(plan.carry_sig[i][1])]
+        grad_outside = [k for k in range(plan.n_o) if plan.grad_mask[n_c + n_x + k]]
+        init = [or_zeros(grads[i], plan.carry_sig[i]) for i in float_carry]
+        init += [torch.zeros_like(plan.outside[k]) for k in grad_outside]
+        gys = [or_zeros(grads[n_c + j], ((plan.length, *plan.y_sig[j][0]), plan.y_sig[j][1]))
+               for j in range(plan.num_y)]
+        with torch.no_grad():
+            carry, gxs = _run(plan.backward_loop(), init, stacked + aliased_xs + gys, plan.length)
+        grad_init: list[torch.Tensor | None] = [None] * n_c
+        for i, g in zip(float_carry, carry[:len(float_carry)]):
+            grad_init[i] = g
+        grad_outside_vals: list[torch.Tensor | None] = [None] * plan.n_o
+        for k, g in zip(grad_outside, carry[len(float_carry):]):
+            grad_outside_vals[k] = g
+        grad_xs: list[torch.Tensor | None] = [None] * n_x
+        for j, g in zip([j for j in range(n_x) if plan.grad_mask[n_c + j]], gxs):
+            grad_xs[j] = g
+        # Gradients are sharded like the tensors they belong to.
+        _shard_like(grad_init, ctx.refs[:n_c])
+        _shard_like(grad_xs, ctx.refs[n_c:n_c + n_x])
+        _shard_like(grad_outside_vals, plan.outside)
+        return (None, *grad_init, *grad_xs, *grad_outside_vals)
+
+
+# --------------------------------------------------------------------------- #
+# Plans and their cache.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass
+class _Plan:
+    y_spec: pytree.TreeSpec
+    y_none: tuple[bool, ...]      # per y leaf: was it None (not stacked)
+    y_sig: list[Sig]              # per stacked y leaf
+    outside: list[torch.Tensor]
+    outside_grad: tuple[bool, ...]
+    loop: _Loop | None = None      # forward-only
+    grad: _GradPlan | None = None  # with autograd
+
+
+class ScanCacheInfo(NamedTuple):
+    """Counters of :func:`scan`'s trace cache (process-wide)."""
+
+    traces: int  # calls that traced and lowered fn
+    hits: int    # calls served by a cached plan
+    size: int    # plans held
+
+
+_cache_lock = threading.Lock()
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_counters = {"traces": 0, "hits": 0}
+
+
+def scan_cache_info() -> ScanCacheInfo:
+    """How often :func:`scan` traced ``fn`` versus reused a cached plan."""
+    with _cache_lock:
+        return ScanCacheInfo(_counters["traces"], _counters["hits"], sum(len(v) for v in _cache.values()))
+
+
+def clear_scan_cache() -> None:
+    """Forget every cached plan (and the outside tensors they reference)."""
+    with _cache_lock:
+        _cache.clear()
+        _counters["traces"] = _counters["hits"] = 0
+
+
+def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
+               found: dict[str, Any]) -> Callable:
+    """``fn`` on flat leaves, checking what it returns against ``init``."""
+
+    def step(carry_leaves: list[torch.Tensor], x_leaves: list[torch.Tensor]):
+        carry = pytree.tree_unflatten(carry_leaves, init_spec)
+        x = None if x_spec is None else pytree.tree_unflatten(x_leaves, x_spec)
+        out = fn(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"scan: fn must return a pair (carry, y), got {type(out).__name__}"
+                            + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+        named, spec = _leaves_with_paths(out[0], "carry")
+        if spec != init_spec:
+            raise ValueError(f"scan: fn returned a carry with structure {spec}, but init has structure "
+                             f"{init_spec}; the carry's structure must not change")
+        _check_tensor_leaves(named, allow_none=False, who="fn's returned ")
+        for (path, leaf), before in zip(named, carry_leaves):
+            if _signature(leaf) != _signature(before):
+                raise ValueError(
+                    f"scan: fn changed {path} from shape {tuple(before.shape)} {before.dtype} to "
+                    f"{tuple(leaf.shape)} {leaf.dtype}; the carry's shapes and dtypes must not change"
+                )
+        y_named, y_spec = _leaves_with_paths(out[1], "y")
+        _check_tensor_leaves(y_named, allow_none=True, who="fn's returned ")
+        found["y_spec"] = y_spec
+        found["y_none"] = tuple(leaf is None for _, leaf in y_named)
+        return [leaf for _, leaf in named], [leaf for _, leaf in y_named if leaf is not None]
+
+    return step
+
+
+def _make_plan(fn: Callable, init_spec, x_spec, init: list[torch.Tensor], xs: list[torch.Tensor],
+               length: int, reverse: bool, partition_fn: Callable | None) -> _Plan:
+    found: dict[str, Any] = {}
+    step = _flat_step(fn, init_spec, x_spec, found)
+    carry_sig = [_signature(t) for t in init]
+    x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs]
+    traced = _trace(step, carry_sig, x_sig)
+    outside = traced.outside
+    plan = _Plan(found["y_spec"], found["y_none"], [_signature(y) for y in traced.ys], outside,
+                 tuple(t.requires_grad for t in outside))
+    if length == 0:
+        return plan
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(init, xs, outside))
+    if needs_grad:
+        plan.grad = _GradPlan(step, carry_sig, x_sig, [t.requires_grad for t in xs], outside,
+                              length, reverse, partition_fn)
+    else:
+        plan.loop = _lower(traced, length, reverse, "scan")
+    return plan
+
+
+def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool) -> _Plan:
+    if pure:
+        with _cache_lock:
+            entry = _cache.get(fn) if _weakrefable(fn) else None
+            plan = entry.get(key) if entry else None
+            if plan is not None and tuple(t.requires_grad for t in plan.outside) == plan.outside_grad:
+                _counters["hits"] += 1
+                return plan
+    plan = make()
+    with _cache_lock:
+        _counters["traces"] += 1
+        if pure and _weakrefable(fn):
+            _cache.setdefault(fn, {})[key] = plan
+    return plan
+
+
+def _weakrefable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- #
+# Public API.
+# --------------------------------------------------------------------------- #
+
+
+def scan(
+    fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    init: PyTree,
+    xs: PyTree,
+    *,
+    length: int | None = None,
+    reverse: bool = False,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = True,
+) -> tuple[PyTree, PyTree]:
+    """Loop ``fn`` over the leading dimension of ``xs`` in one XLA ``while`` loop.
+
+    Semantics of ``jax.lax.scan``::
+
+        carry = init
+        for i in (reversed(range(N)) if reverse else range(N)):
+            carry, ys[i] = fn(carry, xs[i])
+        return carry, stack(ys)
+
+    Args:
+      fn: ``fn(carry, x) -> (carry, y)`` on pytrees of XLA tensors. The carry it
+        returns must have ``init``'s structure, shapes and dtypes; ``y`` leaves
+        may be None. ``fn`` may read tensors defined outside it (weights,
+        buffers, any XLA tensor): they become loop operands, keep their
+        sharding and receive gradients. It may not mutate them.
+      init: pytree of XLA tensors, the initial carry.
+      xs: pytree of XLA tensors sharing a leading dimension N, or None (then
+        ``length`` is required and ``fn`` receives ``x=None``).
+      length: N; required when ``xs`` is None, checked against ``xs`` otherwise.
+      reverse: walk ``xs`` from the end; ``ys[i]`` still belongs to ``xs[i]``.
+      partition_fn: AOTAutograd partitioner deciding what the forward loop
+        saves for the backward loop: ``functorch.compile.default_partition``
+        (default; saves activations) or
+        ``functorch.compile.min_cut_rematerialization_partition`` (recomputes
+        cheap ones).
+      is_fn_pure: ``fn`` has no side effects and reads the same outside tensor
+        objects on every call; a later call with the same ``fn`` and the same
+        input structure, shapes, dtypes, shardings and ``requires_grad`` flags
+        then reuses the traced and lowered loop (see :func:`scan_cache_info`).
+
+    Returns:
+      ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.
+      Everything stays on the device; nothing is copied to the host. Random
+      ops in ``fn`` draw different numbers in each iteration, reproducibly
+      under ``torch.manual_seed``.
+    """
+    if not callable(fn):
+        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__}")
+    if not isinstance(reverse, bool):
+        raise TypeError(f"scan: reverse must be a bool, got {type(reverse).__name__}")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise ValueError(f"scan: length must be a non-negative int or None, got {length!r}")
+    init_named, init_spec = _leaves_with_paths(init, "init")
+    _check_tensor_leaves(init_named, allow_none=False)
+    init_l = [leaf for _, leaf in init_named]
+    if xs is None:
+        if length is None:
+            raise ValueError("scan: xs is None, so length is required (the number of iterations)")
+        x_spec, xs_l = None, []
+    else:
+        x_named, x_spec = _leaves_with_paths(xs, "xs")
+        _check_tensor_leaves(x_named, allow_none=False)
+        if not x_named:
+            raise ValueError("scan: xs has no tensor leaves; pass xs=None and length=N to scan without inputs")
+        for path, leaf in x_named:
+            if leaf.dim() == 0:
+                raise ValueError(f"scan: {path} is a scalar; every xs leaf needs a leading dimension to scan over")
+        first_path, first = x_named[0]
+        for path, leaf in x_named[1:]:
+            if leaf.shape[0] != first.shape[0]:
+                raise ValueError(
+                    f"scan: xs leaves must share their leading dimension: {first_path} has "
+                    f"{first.shape[0]} but {path} has {leaf.shape[0]}"
+                )
+        if length is not None and length != first.shape[0]:
+            raise ValueError(f"scan: length={length} but the leading dimension of {first_path} is {first.shape[0]}")
+        length = int(first.shape[0])
+        xs_l = [leaf for _, leaf in x_named]
+
+    import torch_xla
+
+    grad_on = torch.is_grad_enabled()
+    specs = tuple(torch_xla._XLAC._get_xla_sharding_specs(init_l + xs_l))
+    key = (init_spec, x_spec, tuple(_signature(t) for t in init_l), tuple(_signature(t) for t in xs_l),
+           specs, tuple(t.requires_grad for t in init_l + xs_l), grad_on, length, reverse, partition_fn)
+    plan = _cached_plan(fn, key, lambda: _make_plan(fn, init_spec, x_spec, init_l, xs_l, length, reverse,
+                                                    partition_fn), is_fn_pure)
+    n_c = len(init_l)
+    if length == 0:
+        carry_l = init_l
+        device = torch_xla.device()
+        ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
+    elif plan.grad is not None:
+        outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *plan.outside)
+        carry_l, ys_l = list(outs[:n_c]), list(outs[n_c:])
+    else:
+        carry_l, ys_l = _run(plan.loop, init_l, xs_l, length)
+    if length:
+        _shard_like(carry_l, init_l)
+    stacked = iter(ys_l)
+    ys_full = [None if none else next(stacked) for none in plan.y_none]
+    return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full, plan.y_spec)
+
+
+# --------------------------------------------------------------------------- #
+# scan_layers.
+# --------------------------------------------------------------------------- #
+
+_SPEC = re.compile(r"\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}")
+
+
+def _shard_stacked(stacked: torch.Tensor, member: torch.Tensor) -> None:
+    """Shard ``stacked`` (a new leading layer dim) like ``member`` on the other dims."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    m = _SPEC.fullmatch(torch_xla._XLAC._get_xla_sharding_spec(member))
+    if m is None:  # replicated, or a form only propagation should decide
+        return
+    dims = [int(v) for v in m.group(1).split(",")]
+    ids = np.array([int(v) for v in m.group(2).split(",")])
+    names = tuple(f"axis{i}" for i in range(len(dims)))
+    mesh = xs.Mesh(ids, tuple(dims), names)
+    xs.mark_sharding(stacked, mesh, (None, *names[:member.dim()]))
+
+
+class _Stack(torch.autograd.Function):
+    """``torch.stack`` whose forward and backward keep each member's sharding."""
+
+    @staticmethod
+    def forward(ctx, *members: torch.Tensor) -> torch.Tensor:
+        stacked = torch.stack(members)
+        _shard_stacked(stacked, members[0])
+        ctx.refs = [_sharding_ref(t) for t in members]
+        return stacked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grads = list(grad.unbind(0))
+        _shard_like(grads, ctx.refs)
+        return tuple(grads)
+
+
+def _layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = dict(layer.named_parameters())
+    state.update(dict(layer.named_buffers()))
+    return state
+
+
+def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
+    import torch_xla
+
+    first = layers[0]
+    ref = _layer_state(first)
+    names = list(ref)
+    ref_specs = torch_xla._XLAC._get_xla_sharding_specs(list(ref.values())) if ref else []
+    for name, t in ref.items():
+        if t.device.type != "xla":
+            raise TypeError(f"scan_layers: layers[0].{name} is on {t.device}; move the layers to the XLA device")
+    for i, layer in enumerate(layers[1:], start=1):
+        if type(layer) is not type(first):
+            raise TypeError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
+                            f"{type(first).__name__}; all layers must be of one class")
+        state = _layer_state(layer)
+        if list(state) != names:
+            missing = sorted(set(names) ^ set(state))
+            raise ValueError(f"scan_layers: layers[{i}] has parameters/buffers {list(state)} but layers[0] has "
+                             f"{names} (first difference: {missing[0] if missing else 'order'})")
+        specs = torch_xla._XLAC._get_xla_sharding_specs(list(state.values())) if state else []
+        for (name, t), spec, ref_spec in zip(state.items(), specs, ref_specs):
+            r = ref[name]
+            for what, a, b in (("shape", tuple(t.shape), tuple(r.shape)), ("dtype", t.dtype, r.dtype),
+                               ("device", t.device.type, r.device.type), ("sharding", spec, ref_spec),
+                               ("requires_grad", t.requires_grad, r.requires_grad)):
+                if a != b:
+                    raise ValueError(f"scan_layers: layers[{i}].{name} has {what} {a} but layers[0].{name} "
+                                     f"has {b}; scanned layers must be homogeneous")
+    return names
+
+
+_layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_step(template: torch.nn.Module, names: list[str]) -> Callable:
+    """One step function per template layer, so repeated calls hit scan's cache."""
+    key = tuple(names)
+    steps = _layer_steps.setdefault(template, {})
+    if key not in steps:
+        from torch.func import functional_call
+
+        def step(h, state):
+            return functional_call(template, dict(zip(names, state)), (h,)), None
+
+        steps[key] = step
+    return steps[key]
+
+
+def scan_layers(
+    layers: Sequence[torch.nn.Module],
+    x: torch.Tensor,
+    *,
+    partition_fn: Callable | None = None,
+    is_layer_pure: bool = True,
+) -> torch.Tensor:
+    """Apply homogeneous layers in sequence as one :func:`scan`: ``x = layer(x)`` for each.
+
+    The layers must be of one class with the same parameter and buffer names,
+    shapes, dtypes, shardings and ``requires_grad`` flags; the first
+    difference is reported. Their parameters are stacked along a new leading
+    dimension (sharded like each layer's own parameter on the other
+    dimensions) and ``layers[0]`` is called with each slice through
+    ``torch.func.functional_call``. Gradients land on each layer's own
+    parameters, sharded like them. Nothing moves to the host.
+
+    Args:
+      layers: a sequence (e.g. ``nn.ModuleList``) of modules mapping a tensor
+        to a tensor of the same shape and dtype.
+      x: the input, an XLA tensor.
+      partition_fn: see :func:`scan`.
+      is_layer_pure: the layers' forward has no side effects; reuse the traced
+        loop on later calls with the same layers and input signature.
+    """
+    layers = list(layers)
+    if not all(isinstance(layer, torch.nn.Module) for layer in layers):
+        raise TypeError("scan_layers: layers must be a sequence of torch.nn.Module")
+    if not isinstance(x, torch.Tensor) or x.device.type != "xla":
+        raise TypeError("scan_layers: x must be a torch.Tensor on the XLA device")
+    if not layers:
+        return x
+    names = _check_homogeneous(layers)
+    stacked = []
+    for name in names:
+        members = [_layer_state(layer)[name] for layer in layers]
+        if any(m.requires_grad for m in members) and torch.is_grad_enabled():
+            stacked.append(_Stack.apply(*members))
+        else:
+            with torch.no_grad():
+                stacked.append(_Stack.apply(*members))
+    step = _layer_step(layers[0], names)
+    out, _ = scan(step, x, stacked, partition_fn=partition_fn, is_fn_pure=is_layer_pure)
+    return out
