@@ -158,9 +158,9 @@ def test_mapped_tensors_reused_without_transfers(two_sharded):
 
 def test_tensor_parameter_ids_match_native_lookup(two_sharded, device):
     a, b = two_sharded
-    pending = a * 2  # holds IR, not device data
     unrelated = torch.randn(5).to(device)
     torch_xla.sync()
+    pending = a * 2  # holds IR, not device data
     ctx = lowered([(a + b).sum() + pending.sum()])
     queries = [b, pending, unrelated, a, a]
     ids = ctx.tensor_parameter_ids(queries)

@@ -399,3 +399,84 @@ def test_against_jax_lax_scan(device, reverse):
                          reverse=reverse)
     np.testing.assert_allclose(carry.cpu().numpy(), np.asarray(jcarry), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ys.cpu().numpy(), np.asarray(jys), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- scan_layers
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def make_blocks(n: int, dim: int = 16, hidden: int = 32, seed: int = 0) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(Block(dim, hidden) for _ in range(n))
+
+
+def test_scan_layers_matches_the_plain_loop(device):
+    cpu_layers = make_blocks(4)
+    xla_layers = make_blocks(4).to(device)
+    x_cpu = torch.randn(5, 16)
+    out = txe.scan_layers(xla_layers, x_cpu.to(device))
+    ref = x_cpu
+    for layer in cpu_layers:
+        ref = layer(ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach(), atol=1e-4, rtol=1e-4)
+    for (name, p), (_, p_ref) in zip(xla_layers.named_parameters(), cpu_layers.named_parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
+    layers = make_blocks(3, dim=32, hidden=64).to(device)
+    for layer in layers:
+        xs.mark_sharding(layer.up.weight, mesh_1d, ("fsdp", None))
+        xs.mark_sharding(layer.down.weight, mesh_1d, (None, "fsdp"))
+    x = torch.randn(8, 32).to(device)
+    xs.mark_sharding(x, mesh_1d, ("fsdp", None))
+    torch_xla.sync()
+    with measure_transfers() as m:
+        with txe.no_host_transfers():
+            out = txe.scan_layers(layers, x)
+            out.sum().backward()
+            torch_xla.sync()
+    assert not m.device_to_host, m.report()
+    for layer in layers:
+        assert spec(layer.up.weight.grad) == spec(layer.up.weight) != ""
+        assert spec(layer.down.weight.grad) == spec(layer.down.weight) != ""
+    assert spec(out) == spec(x)
+
+
+def test_scan_layers_reuses_its_trace(device):
+    layers = make_blocks(2).to(device)
+    x = torch.randn(3, 16).to(device)
+    with torch.no_grad():
+        txe.scan_layers(layers, x)
+        before = scan_cache_info()
+        txe.scan_layers(layers, torch.randn(3, 16).to(device))
+    after = scan_cache_info()
+    assert after.traces == before.traces and after.hits == before.hits + 1
+
+
+def test_scan_layers_rejects_heterogeneous_layers(device, mesh_1d):
+    layers = make_blocks(3).to(device)
+    x = torch.randn(2, 16).to(device)
+    mixed = [layers[0], torch.nn.Linear(16, 16).to(device)]
+    with pytest.raises(TypeError, match=r"layers\[1\] is a Linear"):
+        txe.scan_layers(mixed, x)
+    wide = make_blocks(1, hidden=48).to(device)[0]
+    with pytest.raises(ValueError, match=r"layers\[2\].up.weight has shape \(48, 16\)"):
+        txe.scan_layers([layers[0], layers[1], wide], x)
+    xs.mark_sharding(layers[1].up.weight, mesh_1d, ("fsdp", None))
+    with pytest.raises(ValueError, match=r"layers\[1\].up.weight has sharding"):
+        txe.scan_layers(layers, x)
+    assert txe.scan_layers([], x) is x
