@@ -927,14 +927,20 @@ _layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _layer_step(template: torch.nn.Module, names: list[str]) -> Callable:
-    """One step function per template layer, so repeated calls hit scan's cache."""
+    """One step function per template layer, so repeated calls hit scan's cache.
+
+    The step holds the template weakly: the cache is keyed by the template and
+    must not keep it alive.
+    """
     key = tuple(names)
     steps = _layer_steps.setdefault(template, {})
     if key not in steps:
         from torch.func import functional_call
 
+        template_ref = weakref.ref(template)
+
         def step(h, state):
-            return functional_call(template, dict(zip(names, state)), (h,)), None
+            return functional_call(template_ref(), dict(zip(names, state)), (h,)), None
 
         steps[key] = step
     return steps[key]
