@@ -249,16 +249,39 @@ def _step_hlo_opcodes(model, device, mesh) -> list[str]:
     return ops
 
 
+@pytest.mark.parametrize("use_scan", [True, False], ids=["scan_layers", "loop"])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_reshard_after_forward_puts_an_optimization_barrier_before_the_backward_gather(device, mesh, reshard):
+def test_reshard_after_forward_puts_an_optimization_barrier_before_the_backward_gather(
+        device, mesh, reshard, use_scan):
     torch.manual_seed(0)
-    model = shard_decoder(Decoder(use_scan=False), mesh, reshard_after_forward=reshard)
+    model = shard_decoder(Decoder(use_scan=use_scan), mesh, reshard_after_forward=reshard)
     ops = _step_hlo_opcodes(model, device, mesh)
     barriers = ops.count("opt-barrier")
     if reshard:
         assert barriers > 0
     else:
         assert barriers == 0
+
+
+def test_reshard_after_forward_in_scan_does_not_stack_gathered_weights(device, mesh):
+    """The forward loop of scan_layers stacks per-layer activations but not the gathered weights."""
+    def stacked_outputs(reshard: bool) -> list[tuple[int, ...]]:
+        torch.manual_seed(0)
+        model = shard_decoder(Decoder(use_scan=True), mesh, reshard_after_forward=reshard)
+        (_, _), (tx, gx) = batch(device, mesh)
+        loss = loss_fn(model, tx, gx)
+        ctx = txe.LoweringContext("forward")
+        ctx.build([loss])
+        loop = ctx.module.while_loops()[0]
+        body = ctx.module.computation(loop.body)
+        shapes = [s.dimensions for s in body.instruction(body.root_id).shape.tuple_shapes]
+        torch_xla.sync()
+        return shapes
+
+    up_weight = (4, 32, 16)  # L x (2d, d): a stacked gathered up-projection weight
+    resharded = stacked_outputs(True)
+    kept = stacked_outputs(False)
+    assert kept.count(up_weight) > resharded.count(up_weight)
 
 
 def test_mixed_precision(device, mesh):

@@ -426,6 +426,76 @@ def _traceable_mark_sharding(lifter: _Lifter):
         xs.mark_sharding = xla_sharding.mark_sharding = original
 
 
+def _input_source(node, placeholders: list, n_c: int, n_x: int) -> tuple[str, int] | None:
+    """("x", j) or ("outside", k) when ``node`` is that input of the forward graph."""
+    if node not in placeholders:
+        return None
+    pos = placeholders.index(node)
+    if n_c <= pos < n_c + n_x:
+        return ("x", pos - n_c)
+    if pos >= n_c + n_x:
+        return ("outside", pos - n_c - n_x)
+    return None
+
+
+# Single-input ops a recomputed annotation may be wrapped in: casts and views.
+_PASSTHROUGH = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.expand.default,
+}
+
+
+def _recompute_chain(node, placeholders: list):
+    """``(input node, [ops])`` when ``node`` is cheap to recompute in the backward.
+
+    That is: a chain of casts and views over a sharding annotation marked
+    ``recompute_in_backward`` (FSDP's gather), applied to a graph input.
+    """
+    from ._annotate import ANNOTATE_OP
+
+    ops = []
+    marked = False
+    base = node
+    while base not in placeholders:
+        target = getattr(base, "target", None)
+        if target is ANNOTATE_OP:
+            marked = marked or bool(base.args[3])
+        elif target not in _PASSTHROUGH:
+            return None
+        ops.append(base)
+        base = base.args[0]
+    if not marked:
+        return None
+    return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)]
+
+
+def _replay(value: torch.Tensor, ops: list) -> torch.Tensor:
+    """Recompute a saved value from its input, behind an optimization barrier.
+
+    The barrier keeps XLA from merging the recomputation with the forward's,
+    which would keep the forward's value alive until the backward.
+    """
+    import torch_xla.core.xla_model as xm
+
+    fresh = [value * 1]
+    xm.optimization_barrier_(fresh)
+    value = fresh[0]
+    for target, args, kwargs in ops:
+        value = target(value, *args, **kwargs)
+    return value
+
+
 class _GradPlan:
     """``fn`` split into forward/backward graphs, and the loops that run them.
 
@@ -489,31 +559,47 @@ class _GradPlan:
         out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
         placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]
         saved_nodes = out_nodes[len(outs):]
-        # Where each saved activation comes from: ("stacked", k), ("x", j) or ("outside", k).
-        self.saved_src: list[tuple[str, int]] = []
+        # Where each saved activation comes from: ("stacked", k) -- stacked by the
+        # forward loop; ("x", j) / ("outside", k) -- an input, read again by the
+        # backward loop; ("recompute", (kind, index), chain) -- a sharding
+        # annotation marked recompute_in_backward applied (through casts) to an
+        # input, replayed by the backward loop behind an optimization barrier.
+        self.saved_src: list[tuple] = []
         stacked = 0
         for node in saved_nodes:
-            pos = placeholders.index(node) if node in placeholders else -1
-            if n_c <= pos < n_c + n_x:
-                self.saved_src.append(("x", pos - n_c))
-            elif pos >= n_c + n_x:
-                self.saved_src.append(("outside", pos - n_c - n_x))
+            source = _input_source(node, placeholders, n_c, n_x)
+            chain = _recompute_chain(node, placeholders) if source is None else None
+            if source is not None:
+                self.saved_src.append(source)
+            elif chain is not None:
+                base, ops = chain
+                self.saved_src.append(("recompute", _input_source(base, placeholders, n_c, n_x), ops))
             else:
                 self.saved_src.append(("stacked", stacked))
                 stacked += 1
         self.num_stacked = stacked
-        self.x_aliased = sorted({j for kind, j in self.saved_src if kind == "x"})
+        self.x_aliased = sorted({src[1] for src in self._input_reads() if src[0] == "x"})
         self.carry_sig, self.x_sig = carry, x
         self.fwd_loop = _lower(_trace(self._forward_step, carry, x), length, reverse, "scan_forward")
         self.saved_sig = [s for s in self.fwd_loop.y_shapes[self.num_y:]]
         self.y_sig = list(self.fwd_loop.y_shapes[:self.num_y])
         self._bwd_loop: _Loop | None = None
 
+    def _input_reads(self) -> list[tuple[str, int]]:
+        """The inputs the backward loop reads: aliased ones and the bases of recomputations."""
+        reads = []
+        for src in self.saved_src:
+            if src[0] in ("x", "outside"):
+                reads.append(src)
+            elif src[0] == "recompute":
+                reads.append(src[1])
+        return reads
+
     def _forward_step(self, carry, x):
         result = list(self.fw(*carry, *x, *self.outside))
         n_out = self.n_c + self.num_y
         saved = result[n_out:]
-        stacked = [saved[i] for i, (kind, _) in enumerate(self.saved_src) if kind == "stacked"]
+        stacked = [saved[i] for i, src in enumerate(self.saved_src) if src[0] == "stacked"]
         return result[:self.n_c], result[self.n_c:n_out] + stacked
 
     def _backward_step(self, carry, x):
@@ -525,9 +611,15 @@ class _GradPlan:
         stacked = x[:self.num_stacked]
         x_slices = dict(zip(self.x_aliased, x[self.num_stacked:self.num_stacked + len(self.x_aliased)]))
         gy = x[self.num_stacked + len(self.x_aliased):]
+        def read(kind: str, k: int) -> torch.Tensor:
+            return stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else self.outside[k]
+
         saved = []
-        for kind, k in self.saved_src:
-            saved.append(stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else self.outside[k])
+        for src in self.saved_src:
+            if src[0] == "recompute":
+                saved.append(_replay(read(*src[1]), src[2]))
+            else:
+                saved.append(read(src[0], src[1]))
         tangents = [g[i] for i in range(n_c) if self.tangent_mask[i]]
         tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[n_c + j]]
         grads = list(self.bw(*saved, *tangents))

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .._annotate import annotate_sharding
 from ._dynamo import annotate_modules_for_dynamo
 from ._lca import param_owners
 from ._traversal import lr_dfs, module_tree
@@ -222,38 +223,25 @@ def _record_applied(p: torch.Tensor, spec: tuple) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _annotate(t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
-    """A functional sharding annotation: a new tensor equal to ``t``, annotated with ``spec``.
-
-    Under AOTAutograd (inside ``scan``) it records torch_xla's traceable
-    ``xla::aot_mark_sharding`` op; on lazy XLA tensors it annotates a fresh
-    no-op node, since ``t`` may already carry its own sharding.
-    """
-    import torch_xla
-    import torch_xla.distributed.spmd.xla_sharding  # noqa: F401  (registers the traceable op)
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(t):
-        return torch.ops.xla.aot_mark_sharding(t, str(mesh), str(spec))
-    out = t * 1 if t.dtype != torch.bool else t.logical_and(True)
-    torch_xla._XLAC._xla_mark_sharding(out, mesh.get_op_sharding(spec))
-    return out
-
-
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather (annotate replicated). Backward: reduce-scatter (annotate sharded)."""
+    """Forward: all-gather (annotate replicated). Backward: reduce-scatter (annotate sharded).
+
+    With ``reshard``, a ``scan`` backward recomputes the gather from the
+    sharded input instead of keeping the gathered value from the forward.
+    """
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh, sharded: tuple, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, mesh, sharded: tuple, reduce_dtype: torch.dtype | None,
+                reshard: bool) -> torch.Tensor:
         ctx.mesh, ctx.sharded, ctx.reduce_dtype, ctx.dtype = mesh, sharded, reduce_dtype, t.dtype
-        return _annotate(t, mesh, (None,) * t.dim())
+        return annotate_sharding(t, mesh, (None,) * t.dim(), recompute_in_backward=reshard)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.reduce_dtype is not None:
             grad = grad.to(ctx.reduce_dtype)
-        grad = _annotate(grad, ctx.mesh, ctx.sharded)
-        return grad.to(ctx.dtype), None, None, None
+        grad = annotate_sharding(grad, ctx.mesh, ctx.sharded)
+        return grad.to(ctx.dtype), None, None, None, None
 
 
 class _Regather:
@@ -272,7 +260,7 @@ class _Regather:
             # which would keep the gathered weight alive from forward to backward.
             fresh = [self.source.detach() * 1]
             xm.optimization_barrier_(fresh)
-            return _annotate(fresh[0].to(self.dtype), self.mesh, (None,) * self.dims)
+            return annotate_sharding(fresh[0].to(self.dtype), self.mesh, (None,) * self.dims)
 
 
 # --------------------------------------------------------------------------- #
@@ -319,7 +307,7 @@ class _FSDPState:
                     source = current
                     if mp.param_dtype is not None and source.is_floating_point():
                         source = source.to(mp.param_dtype)
-                    full = _Gather.apply(source, self.mesh, slot.spec, mp.reduce_dtype)
+                    full = _Gather.apply(source, self.mesh, slot.spec, mp.reduce_dtype, self.reshard_after_forward)
                     value = (full, _Regather(current, source.dtype, self.mesh, current.dim()))
                     gathered[id(current)] = value
                 slot.holder._parameters[slot.name] = value[0]
@@ -551,7 +539,7 @@ def _grad_sharder(mesh, spec: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if grad.device.type != "xla" or all(s is None for s in spec):
             return grad
-        return _annotate(grad, mesh, spec)
+        return annotate_sharding(grad, mesh, spec)
 
     return hook
 

@@ -1,0 +1,44 @@
+"""A functional, traceable sharding annotation shared by ``scan`` and ``fully_shard``.
+
+``annotate_sharding(t, mesh, spec)`` returns a new tensor equal to ``t`` whose
+value carries the sharding ``spec`` over ``mesh`` (GSPMD inserts the
+collective that produces it: an all-gather for a replicated spec on a sharded
+input, a reduce-scatter for a sharded spec on a partial sum). It is a custom op,
+so AOTAutograd can trace it inside ``scan``; with ``recompute_in_backward=True``
+the backward of a ``scan`` recomputes it from the scan input it was applied to
+instead of stacking the result across iterations (FSDP's reshard after forward).
+"""
+
+from __future__ import annotations
+
+import ast
+
+import torch
+
+__all__ = ["annotate_sharding", "ANNOTATE_OP"]
+
+
+@torch.library.custom_op("txe::annotate_sharding", mutates_args=())
+def _annotate_sharding(t: torch.Tensor, mesh: str, spec: str, recompute_in_backward: bool) -> torch.Tensor:
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    # A fresh no-op node: t may already carry its own sharding annotation.
+    out = t * 1 if t.dtype != torch.bool else t.logical_and(True)
+    partition_spec = ast.literal_eval(spec)
+    if t.device.type == "xla":
+        torch_xla._XLAC._xla_mark_sharding(out, xs.Mesh.from_str(mesh).get_op_sharding(partition_spec))
+    return out
+
+
+@_annotate_sharding.register_fake
+def _annotate_sharding_fake(t: torch.Tensor, mesh: str, spec: str, recompute_in_backward: bool) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+ANNOTATE_OP = torch.ops.txe.annotate_sharding.default
+
+
+def annotate_sharding(t: torch.Tensor, mesh, spec: tuple, *, recompute_in_backward: bool = False) -> torch.Tensor:
+    """``t`` annotated with partition ``spec`` over the torch_xla ``mesh`` (no autograd formula)."""
+    return torch.ops.txe.annotate_sharding(t, str(mesh), str(tuple(spec)), recompute_in_backward)
