@@ -804,6 +804,10 @@ def test_entry_lookup_and_missing_entry():
     assert "entry <missing>" in mod.summary()
     empty = read_hlo(b"")
     assert empty.name == "" and empty.computations == () and empty.num_instructions == 0
+    # Hand-written protos may reuse ids; every parameter is still listed once.
+    dup = computation("c", 1, 1, [instruction(f"p{n}", "parameter", 1, shape(F32, [n + 1]), param=n) for n in (1, 0)])
+    params = read_hlo(module("m", "c", 1, [dup])).entry_parameters
+    assert [(p.number, p.name, p.shape) for p in params] == [(0, "p0", (1,)), (1, "p1", (2,))]
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+// libFuzzer entry point for the HloModuleProto reader.
+//
+// Every input must either parse or raise txe::hlo::ParseError; anything else
+// (a crash, a sanitizer report, another exception, a hang) is a bug. A parsed
+// module is also run through every analysis and printer, and the first bytes
+// are tried as a standalone OpSharding, so those paths see hostile data too.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "hlo_reader.h"
+
+namespace {
+
+void Exercise(const txe::hlo::Module& m) {
+  std::size_t sink = 0;
+  sink += static_cast<std::size_t>(m.NumInstructions());
+  sink += m.EntryParameters().size();
+  for (const auto& c : m.Collectives()) sink += c.kind.size();
+  for (const auto& h : m.HostTransfers()) sink += h.reason.size();
+  for (const auto& w : m.WhileLoops()) {
+    sink += static_cast<std::size_t>(w.body_instruction_count);
+  }
+  sink += static_cast<std::size_t>(m.ConstantsBytes());
+  for (const auto& comp : m.computations) {
+    for (const auto& ins : comp.instructions) {
+      sink += ins.shape.ToString().size();
+      sink += static_cast<std::size_t>(ins.shape.byte_size());
+      if (ins.sharding) sink += ins.sharding->text.size();
+      sink += m.InstructionById(ins.id) != nullptr;
+    }
+    sink += m.ComputationIndexByName(comp.name) >= 0;
+  }
+  // Keep the work observable.
+  if (sink == static_cast<std::size_t>(-1)) std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
+  try {
+    const txe::hlo::Module m = txe::hlo::ParseModule(data, size);
+    Exercise(m);
+  } catch (const txe::hlo::ParseError& e) {
+    // Malformed input is expected; the message must name the offset.
+    if (std::string(e.what()).find("byte offset") == std::string::npos) {
+      std::abort();
+    }
+    if (e.offset() > size) std::abort();
+  }
+  try {
+    const txe::hlo::Sharding s = txe::hlo::ParseSharding(data, size);
+    if (s.text.empty()) std::abort();
+  } catch (const txe::hlo::ParseError& e) {
+    if (e.offset() > size) std::abort();
+  }
+  return 0;
+}
