@@ -16,7 +16,7 @@ from torch_xla_ext.__main__ import main
 def test_demo_runs_on_default_cpu_devices():
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_xla_ext", "demo", "--layers", "2", "--width", "64"],
+        [sys.executable, "-m", "torch_xla_ext", "demo", "--layers", "2", "--width", "64", "--steps", "2"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,6 +28,11 @@ def test_demo_runs_on_default_cpu_devices():
     assert "0 B" in device.split("ms", 1)[1]  # nothing moved to the host
     assert "0 B" not in host.split("ms", 1)[1]
     assert "under no_host_transfers(): ok" in out
+    assert "outputs and gradients equal the unrolled loop: True" in out  # scan_layers section
+    assert "2 while loops" in out
+    assert "tied weight kept: True" in out  # fully_shard section
+    assert "bytes moved device->host inside the training steps: 0;" in out
+    assert "every gradient sharded like its parameter: True" in out
 
 
 def test_audit_reports_a_saved_module(tmp_path, capsys, device):
