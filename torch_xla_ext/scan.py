@@ -37,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from .lowering import LoweringContext
+from .lowering import LoweringContext, _require_xla_tensor
 
 __all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
 
@@ -55,15 +55,8 @@ def _leaves_with_paths(tree: PyTree, root: str) -> tuple[list[tuple[str, Any]], 
 
 def _check_tensor_leaves(named: list[tuple[str, Any]], allow_none: bool, who: str = "") -> None:
     for path, leaf in named:
-        if leaf is None and allow_none:
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"scan: {who}{path} must be a torch.Tensor on the XLA device, got {type(leaf).__name__}")
-        if leaf.device.type != "xla":
-            raise TypeError(
-                f"scan: {who}{path} must be on the XLA device, got a tensor on {leaf.device}; "
-                f"move it with .to(torch_xla.device())"
-            )
+        if leaf is not None or not allow_none:
+            _require_xla_tensor(leaf, f"scan: {who}{path}")
 
 
 def _signature(t: torch.Tensor) -> tuple:
