@@ -331,3 +331,28 @@ def test_errors_are_raised_before_anything_is_touched(num_devices, mesh):
         replicate(s)
     with pytest.raises(TypeError, match="nn.Module"):
         fully_shard("model", mesh=mesh)
+
+
+def test_fully_shard_on_a_3000_deep_module_chain(mesh):
+    class Link(nn.Module):
+        def __init__(self, child: nn.Module | None) -> None:
+            super().__init__()
+            if child is not None:
+                self.child = child
+
+    depth = 3000
+    leaf = nn.Linear(8, 8)
+    chain: nn.Module = Link(leaf)
+    middle = None
+    for i in range(depth - 1):
+        chain = Link(chain)
+        if i == depth // 2:
+            middle = chain
+    fully_shard(leaf, mesh=mesh)
+    fully_shard(middle, mesh=mesh)
+    fully_shard(chain, mesh=mesh)
+    assert get_fully_sharded_modules(chain) == [chain, middle, leaf]
+    assert [n for n, _ in leaf.managed_named_parameters()] == ["weight", "bias"]
+    assert list(chain.managed_named_parameters()) == [] and list(middle.managed_named_parameters()) == []
+    assert spec(leaf.weight) == FSDP8
+    assert getattr(leaf, "_is_fsdp_managed_module", False) is True

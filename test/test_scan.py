@@ -375,6 +375,15 @@ def test_bad_inputs_raise_clear_errors(device):
 # ----------------------------------------------------------------------------- jax
 
 
+def test_cumsum_against_jax_lax_scan(device):
+    jax = pytest.importorskip("jax", reason="the jax.lax.scan comparison needs jax (in the test extra)")
+    xs_np = np.random.default_rng(1).standard_normal((9, 3)).astype(np.float32)
+    jcarry, jys = jax.lax.scan(lambda c, x: (c + x, c + x), jax.numpy.zeros(3), jax.numpy.asarray(xs_np))
+    carry, ys = txe.scan(cumsum_fn, torch.zeros(3).to(device), torch.from_numpy(xs_np).to(device))
+    np.testing.assert_allclose(carry.cpu().numpy(), np.asarray(jcarry), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ys.cpu().numpy(), np.asarray(jys), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_against_jax_lax_scan(device, reverse):
     jax = pytest.importorskip("jax", reason="the jax.lax.scan comparison needs jax (in the test extra)")
