@@ -1,0 +1,666 @@
+#!/usr/bin/env python
+"""Benchmark: a stack of L decoder blocks as an unrolled loop vs scans.
+
+One process, 8 virtual CPU devices, FSDP-style SPMD sharding. Side by side,
+for each L:
+
+  unrolled   a Python for-loop over the blocks (the baseline of every ratio)
+  ours       torch_xla_ext.scan_layers(layers, x)
+  torch_xla  torch_xla.experimental.scan_layers.scan_layers(..., is_layer_pure=True)
+             (its SPMD backward needs torchax, which needs flax; skipped with
+             a note when they are missing)
+  jax        the same model in JAX with jax.lax.scan over stacked weights
+
+Per (method, L) it measures
+
+  compile   XLA compile time of the training step: the delta of torch_xla's
+            ``CompileTime`` metric summed over every step the method ran,
+            with the number of compilations (a method whose second step
+            recompiles pays twice; JAX: ``.compile()``)
+  first     wall time of the first step (tracing + lowering + compile + run)
+  step      steady step time: forward + backward + ``torch_xla.sync()`` and
+            waiting for the device, median of ``--steps`` steps after warm-up;
+            the timed steps of all methods are interleaved round robin, so
+            load from elsewhere on the host hits every method alike
+  trace     host time per steady step until the lazy graph is built (from
+            step start to just before ``torch_xla.sync()``). JAX has no
+            per-step tracing once jitted; its column shows the one-off
+            ``jit(...).trace()`` + ``.lower()`` time instead.
+
+and prints a table with absolute numbers and ratios vs the unrolled loop of
+the same run, the target checks, a numerics check (outputs and gradients of
+each method vs the unrolled loop), and writes a PNG plot. Each torch method
+runs on its own fresh device copy of the same weights.
+
+Usage::
+
+    python scripts/bench_scan.py                 # L = 4 8 16 32
+    python scripts/bench_scan.py --quick         # smoke run: L = 2 4, 2 steps
+    python scripts/bench_scan.py --layers 4 8 --steps 3 --out bench_out/x.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# The runtime reads these once, when torch_xla is imported.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# JAX's CPU client reads this when its backend starts. torch_xla's PJRT CPU
+# client ignores it (it uses CPU_NUM_DEVICES), so both run in this process.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.debug.metrics as met  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+xr.use_spmd()
+torch.zeros(1, device=torch_xla.device())  # size autograd's device queues before any backward
+
+NUM_DEVICES = 8
+METHODS = ("unrolled", "ours", "torch_xla", "jax")
+
+
+# --------------------------------------------------------------------------- #
+# The model.
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Config:
+    dim: int = 128
+    heads: int = 4
+    seq: int = 64
+    batch: int = 8
+    mlp: int = 4  # hidden = mlp * dim
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attn(ln1(x)) (causal), then x + mlp(ln2(x))."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        d = cfg.dim
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.mlp * d)
+        self.fc2 = nn.Linear(cfg.mlp * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h, hd = self.heads, d // self.heads
+        qkv = self.qkv(self.ln1(x)).reshape(b, s, 3, h, hd).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        att = torch.matmul(q, k.transpose(-2, -1)) * (hd ** -0.5)
+        # Causal mask as an additive float bias: nothing but att flows into
+        # the softmax's backward, so no boolean activation is saved.
+        pos = torch.arange(s, device=x.device)
+        bias = torch.zeros(s, s, device=x.device).masked_fill(pos[:, None] < pos[None, :], float("-inf"))
+        att = (att + bias).softmax(dim=-1)
+        o = torch.matmul(att, v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(o)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def build(cfg: Config, num_layers: int, seed: int = 0):
+    """Host blocks, a host input, and numpy copies of the weights (for JAX)."""
+    torch.manual_seed(seed)
+    cpu_layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(num_layers))
+    x_cpu = torch.randn(cfg.batch, cfg.seq, cfg.dim)
+    host = [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in cpu_layers]
+    return cpu_layers, x_cpu, host
+
+
+def place(cpu_layers: nn.ModuleList, x_cpu: torch.Tensor, mesh: xs.Mesh):
+    """A fresh device copy of the blocks (2-D weights sharded on dim 0 over
+    'fsdp', the rest left unannotated) and the batch-sharded input.
+
+    Each method gets its own copy, so first-use effects of a method (e.g. a
+    recompile once unannotated tensors have come back from a sharded run)
+    are charged to that method, not hidden by the method that ran before."""
+    layers = copy.deepcopy(cpu_layers).to(torch_xla.device())
+    for layer in layers:
+        for p in layer.parameters():
+            if p.dim() == 2:
+                xs.mark_sharding(p, mesh, ("fsdp", None))
+    x = x_cpu.to(torch_xla.device())
+    xs.mark_sharding(x, mesh, ("fsdp", None, None))
+    return layers, x
+
+
+# --------------------------------------------------------------------------- #
+# Measurement helpers.
+# --------------------------------------------------------------------------- #
+
+
+def metric(name: str) -> tuple[int, float]:
+    """(count, total) of a torch_xla metric; (0, 0) before it first fires."""
+    data = met.metric_data(name)
+    return (0, 0.0) if data is None else (int(data[0]), float(data[1]))
+
+
+def last_sample(name: str) -> float | None:
+    data = met.metric_data(name)
+    return None if not data or not data[2] else float(data[2][-1][1])
+
+
+def d2h_events() -> int:
+    return metric("TransferFromDeviceTime")[0] + (met.counter_value("ReplicateShardedData") or 0)
+
+
+@dataclass
+class Result:
+    method: str
+    layers: int
+    compile_s: float = float("nan")  # all compilations of the method's run
+    compiles: int | None = None      # how many
+    first_s: float = float("nan")
+    step_ms: float = float("nan")
+    trace_ms: float = float("nan")
+    nodes: int | None = None        # IR nodes of the synced graph
+    d2h: int | None = None          # device->host transfers during steady steps
+    note: str = ""
+    samples: dict = field(default_factory=dict)
+
+
+class TorchRunner:
+    """One torch method on its own copy of the blocks.
+
+    ``first()`` runs the compiling step and the warm-up steps; ``timed()`` runs
+    one timed step. The driver interleaves the timed steps of all methods, so
+    that load from elsewhere on the host spreads over all of them evenly.
+    Metric deltas are taken around this runner's own steps only."""
+
+    def __init__(self, method: str, forward: Callable, layers: nn.ModuleList, x: torch.Tensor) -> None:
+        self.forward, self.layers, self.x = forward, layers, x
+        self.params = list(layers.parameters())
+        self.res = Result(method, len(layers))
+        self.compiles, self.compile_ns, self.d2h = 0, 0.0, 0
+        self.traces: list[float] = []
+        self.totals: list[float] = []
+
+    def _step(self) -> tuple[float, float]:
+        c0, d0 = metric("CompileTime"), d2h_events()
+        for p in self.params:
+            p.grad = None
+        t0 = time.perf_counter()
+        loss = self.forward(self.layers, self.x).square().mean()
+        loss.backward()
+        t1 = time.perf_counter()
+        torch_xla.sync(wait=True)
+        xm.wait_device_ops()
+        t2 = time.perf_counter()
+        c1 = metric("CompileTime")
+        self.compiles += c1[0] - c0[0]
+        self.compile_ns += c1[1] - c0[1]
+        self.last_d2h = d2h_events() - d0
+        self.res.nodes = int(last_sample("TensorsGraphSize") or 0)
+        return t1 - t0, t2 - t0
+
+    def first(self, warmup: int) -> None:
+        _, self.res.first_s = self._step()
+        for _ in range(warmup):
+            self._step()
+
+    def timed(self) -> None:
+        trace, total = self._step()
+        self.traces.append(trace)
+        self.totals.append(total)
+        self.d2h += self.last_d2h
+
+    def result(self) -> Result:
+        r = self.res
+        r.compiles, r.compile_s, r.d2h = self.compiles, self.compile_ns / 1e9, self.d2h
+        if self.totals:
+            r.trace_ms = statistics.median(self.traces) * 1e3
+            r.step_ms = statistics.median(self.totals) * 1e3
+        r.samples = {"trace_ms": [t * 1e3 for t in self.traces], "step_ms": [t * 1e3 for t in self.totals]}
+        for p in self.params:
+            p.grad = None
+        return r
+
+
+def fwd_unrolled(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def make_fwd_ours():
+    import torch_xla_ext
+
+    return lambda layers, x: torch_xla_ext.scan_layers(layers, x)
+
+
+def make_fwd_torch_xla():
+    from torch_xla.experimental.scan_layers import scan_layers
+
+    return lambda layers, x: scan_layers(layers, x, is_layer_pure=True)
+
+
+# --------------------------------------------------------------------------- #
+# JAX.
+# --------------------------------------------------------------------------- #
+
+
+def jax_setup(cfg: Config):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) != NUM_DEVICES:
+        raise RuntimeError(f"JAX sees {len(devices)} CPU devices, expected {NUM_DEVICES}")
+    mesh = Mesh(np.array(devices), ("fsdp",))
+
+    def layer_norm(x, w, b):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * w + b
+
+    def linear(x, p, name):
+        return x @ p[name + ".weight"].T + p[name + ".bias"]
+
+    def block(p, x):
+        b, s, d = x.shape
+        h, hd = cfg.heads, d // cfg.heads
+        qkv = linear(layer_norm(x, p["ln1.weight"], p["ln1.bias"]), p, "qkv")
+        qkv = qkv.reshape(b, s, 3, h, hd).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        att = (q @ k.swapaxes(-1, -2)) * (hd ** -0.5)
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+        o = (att @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
+        x = x + linear(o, p, "proj")
+        hid = jax.nn.gelu(linear(layer_norm(x, p["ln2.weight"], p["ln2.bias"]), p, "fc1"), approximate=False)
+        return x + linear(hid, p, "fc2")
+
+    def forward(stacked, x):
+        out, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, stacked)
+        return out
+
+    def loss(stacked, x):
+        return jnp.mean(forward(stacked, x) ** 2)
+
+    def place(host_layers, x_np):
+        stacked = {k: np.stack([h[k] for h in host_layers]) for k in host_layers[0]}
+        shardings = {k: NamedSharding(mesh, P(None, "fsdp", None) if v.ndim == 3 else P())
+                     for k, v in stacked.items()}
+        params = {k: jax.device_put(v, shardings[k]) for k, v in stacked.items()}
+        xj = jax.device_put(x_np, NamedSharding(mesh, P("fsdp", None, None)))
+        return params, xj, shardings, NamedSharding(mesh, P())
+
+    return jax, forward, loss, place
+
+
+class JaxRunner:
+    """The JAX model: one jitted value_and_grad step over lax.scan, compiled ahead of time."""
+
+    def __init__(self, jx, host_layers, x_np) -> None:
+        jax, _forward, loss, place = jx
+        self.jax = jax
+        self.params, self.x, shardings, replicated = place(host_layers, x_np)
+        self.step = jax.jit(jax.value_and_grad(loss), out_shardings=(replicated, shardings))
+        self.res = Result("jax", len(host_layers), note="trace = one-off jit(...).trace()+lower()")
+        self.totals: list[float] = []
+
+    def first(self, warmup: int) -> None:
+        jax = self.jax
+        t0 = time.perf_counter()
+        lowered = self.step.trace(self.params, self.x).lower()
+        t1 = time.perf_counter()
+        self.compiled = lowered.compile()
+        t2 = time.perf_counter()
+        jax.block_until_ready(self.compiled(self.params, self.x))
+        t3 = time.perf_counter()
+        self.res.trace_ms, self.res.compile_s, self.res.compiles = (t1 - t0) * 1e3, t2 - t1, 1
+        self.res.first_s = t3 - t0
+        for _ in range(warmup):
+            jax.block_until_ready(self.compiled(self.params, self.x))
+
+    def timed(self) -> None:
+        t0 = time.perf_counter()
+        self.jax.block_until_ready(self.compiled(self.params, self.x))
+        self.totals.append(time.perf_counter() - t0)
+
+    def result(self) -> Result:
+        if self.totals:
+            self.res.step_ms = statistics.median(self.totals) * 1e3
+        self.res.samples = {"step_ms": [t * 1e3 for t in self.totals]}
+        return self.res
+
+
+# --------------------------------------------------------------------------- #
+# Numerics.
+# --------------------------------------------------------------------------- #
+
+
+def check_numerics(fwds: dict[str, Callable], layers, x, host, x_np, jx) -> list[tuple[str, bool, str]]:
+    """Outputs and gradients of every torch method vs the unrolled loop; JAX's output too.
+
+    Copies results to the host (outside every timed region)."""
+    def run(fwd):
+        for p in layers.parameters():
+            p.grad = None
+        out = fwd(layers, x)
+        out.square().mean().backward()
+        torch_xla.sync()
+        grads = [p.grad.cpu() for p in layers.parameters()]
+        for p in layers.parameters():
+            p.grad = None
+        return out.detach().cpu(), grads
+
+    ref_out, ref_grads = run(fwds["unrolled"])
+    lines = []
+    for name, fwd in fwds.items():
+        if name == "unrolled":
+            continue
+        try:
+            out, grads = run(fwd)
+        except Exception as e:
+            lines.append((name, False, f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+            continue
+        ok_out = torch.allclose(out, ref_out, rtol=1e-4, atol=1e-5)
+        ok_grad = all(torch.allclose(g, r, rtol=1e-3, atol=1e-5) for g, r in zip(grads, ref_grads))
+        gdiff = max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads))
+        lines.append((name, ok_out and ok_grad,
+                      f"output allclose={ok_out} (max |diff| {float((out - ref_out).abs().max()):.2e}), "
+                      f"grads allclose={ok_grad} (max |diff| {gdiff:.2e})"))
+    if jx is not None:
+        jax, forward, _loss, place = jx
+        params, xj, _, _ = place(host, x_np)
+        out = torch.from_numpy(np.array(jax.jit(forward)(params, xj)))
+        ok = torch.allclose(out, ref_out, rtol=1e-4, atol=1e-4)
+        lines.append(("jax", ok, f"output allclose={ok} (max |diff| {float((out - ref_out).abs().max()):.2e})"))
+    return lines
+
+
+# --------------------------------------------------------------------------- #
+# Report.
+# --------------------------------------------------------------------------- #
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None or v != v else format(v, spec)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and a == a and b == b else float("nan")
+
+
+def print_table(results: dict[tuple[str, int], Result], layer_counts: list[int], methods: list[str]) -> None:
+    head = (f"{'method':<10} {'L':>3} | {'compile s':>9} {'x unrl':>6} {'#':>2} | {'first s':>7} | {'step ms':>8} "
+            f"{'x unrl':>6} | {'trace ms':>8} {'x unrl':>6} | {'IR nodes':>8} {'d2h':>4}")
+    print(head)
+    print("-" * len(head))
+    for n in layer_counts:
+        base = results.get(("unrolled", n))
+        for m in methods:
+            r = results.get((m, n))
+            if r is None:
+                continue
+            if r.note.startswith("error"):
+                print(f"{m:<10} {n:>3} | {r.note}")
+                continue
+            rc = ratio(r.compile_s, base.compile_s) if base else float("nan")
+            rs = ratio(r.step_ms, base.step_ms) if base else float("nan")
+            rt = ratio(r.trace_ms, base.trace_ms) if base and m != "jax" else float("nan")
+            trace = fmt(r.trace_ms, "8.2f") + ("*" if m == "jax" else " ")
+            print(f"{m:<10} {n:>3} | {fmt(r.compile_s, '9.3f')} {fmt(rc, '6.2f')} {fmt(r.compiles, '2d')} | "
+                  f"{fmt(r.first_s, '7.2f')} | {fmt(r.step_ms, '8.2f')} {fmt(rs, '6.2f')} | {trace:>9}{fmt(rt, '6.2f')} | "
+                  f"{fmt(r.nodes, '8d')} {fmt(r.d2h, '4d')}")
+        print()
+    print("compile: CompileTime metric delta over all steps of the run (jax: .compile()), #: number of")
+    print("compilations (1 = only the first step compiled); first: wall time of step 1;")
+    print("step: median fwd+bwd+sync+wait; trace: median host time until the lazy graph is built, before sync;")
+    print("* jax: one-off jit(...).trace()+lower() time (no per-step tracing once compiled);")
+    print("IR nodes: TensorsGraphSize of the steady step's graph; d2h: device->host transfers in steady steps.")
+
+
+def targets(results, layer_counts: list[int]) -> list[tuple[str, str, str]]:
+    def ok(m: str, n: int) -> Result | None:
+        r = results.get((m, n))
+        return r if r is not None and not r.note.startswith("error") else None
+
+    out = []
+    ours = {n: ok("ours", n) for n in layer_counts if ok("ours", n)}
+    unr = {n: ok("unrolled", n) for n in layer_counts if ok("unrolled", n)}
+    tx = {n: ok("torch_xla", n) for n in layer_counts if ok("torch_xla", n)}
+    missing = "n/a: ours did not run" if not ours else ""
+    # 1a. our compile time flat in L.
+    name = "ours compile time flat in L (max/min over L <= 1.5)"
+    if len(ours) >= 2:
+        c = {n: r.compile_s for n, r in ours.items()}
+        spread = max(c.values()) / min(c.values())
+        out.append((name, "PASS" if spread <= 1.5 else "FAIL",
+                    f"max/min = {spread:.2f}; " + ", ".join(f"L={n}: {v:.2f}s" for n, v in c.items())))
+    else:
+        out.append((name, "FAIL" if missing else "n/a", missing or "needs two or more L"))
+    # 1b. <= 0.5x unrolled at L=16.
+    at = 16 if 16 in layer_counts else max(layer_counts)
+    name = f"ours compile <= 0.5x unrolled at L={at}" + ("" if at == 16 else " (L=16 not run)")
+    if at in ours and at in unr:
+        rc = ratio(ours[at].compile_s, unr[at].compile_s)
+        out.append((name, "PASS" if rc <= 0.5 else "FAIL",
+                    f"{rc:.2f}x ({ours[at].compile_s:.2f}s vs {unr[at].compile_s:.2f}s)"))
+    else:
+        out.append((name, "FAIL", missing or "not measured"))
+    # 2. step time <= 1.15x unrolled at every L.
+    name = "ours step time <= 1.15x unrolled (every L)"
+    rs = {n: ratio(r.step_ms, unr[n].step_ms) for n, r in ours.items() if n in unr}
+    if rs:
+        out.append((name, "PASS" if all(v <= 1.15 for v in rs.values()) else "FAIL",
+                    ", ".join(f"L={n}: {v:.2f}x" for n, v in rs.items())))
+    else:
+        out.append((name, "FAIL", missing or "not measured"))
+    # 3. tracing per step <= torch_xla scan_layers (cache on) at every L.
+    name = "ours trace/step <= torch_xla scan_layers with its cache (every L)"
+    rt = {n: ratio(r.trace_ms, tx[n].trace_ms) for n, r in ours.items() if n in tx}
+    if rt:
+        out.append((name, "PASS" if all(v <= 1.0 for v in rt.values()) else "FAIL",
+                    ", ".join(f"L={n}: {v:.2f}x" for n, v in rt.items())))
+    elif not tx:
+        out.append((name, "SKIP", "torch_xla scan_layers not measured"))
+    else:
+        out.append((name, "FAIL", missing))
+    return out
+
+
+def plot(results, layer_counts: list[int], methods: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
+    panels = [("compile_s", "XLA compile time (s)"), ("step_ms", "steady step time (ms)"),
+              ("trace_ms", "host tracing per step (ms)")]
+    styles = {"unrolled": "o-", "ours": "s-", "torch_xla": "^-", "jax": "d--"}
+    colors = {"unrolled": "C0", "ours": "C1", "torch_xla": "C2", "jax": "C3"}
+    for ax, (attr, title) in zip(axes, panels):
+        for m in methods:
+            if attr == "trace_ms" and m == "jax":
+                continue
+            pts = [(n, getattr(results[(m, n)], attr)) for n in layer_counts
+                   if (m, n) in results and getattr(results[(m, n)], attr) == getattr(results[(m, n)], attr)]
+            if pts:
+                ax.plot(*zip(*pts), styles[m], color=colors[m], label=m)
+        ax.set_title(title)
+    ax = axes[3]
+    for m in methods:
+        if m == "unrolled":
+            continue
+        for attr, ls in (("compile_s", "-"), ("step_ms", ":")):
+            pts = [(n, ratio(getattr(results[(m, n)], attr), getattr(results[("unrolled", n)], attr)))
+                   for n in layer_counts if (m, n) in results and ("unrolled", n) in results]
+            pts = [p for p in pts if p[1] == p[1]]
+            if pts:
+                ax.plot(*zip(*pts), styles[m][0] + ls, color=colors[m], label=f"{m} {attr.split('_')[0]}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_title("ratio vs unrolled (solid: compile, dotted: step)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(layer_counts, [str(n) for n in layer_counts])
+        ax.set_xlabel("layers L")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("scan_layers vs unrolled loop: decoder blocks, FSDP sharding over 8 virtual CPU devices")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+# --------------------------------------------------------------------------- #
+# Main.
+# --------------------------------------------------------------------------- #
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32], help="layer counts L")
+    ap.add_argument("--steps", type=int, default=5, help="timed steady steps per (method, L)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compiling) step")
+    ap.add_argument("--quick", action="store_true", help="smoke run: L = 2 4, 2 steps")
+    ap.add_argument("--out", default="bench_out/bench_scan.png", help="PNG plot path")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--check-layers", type=int, default=None,
+                    help="L for the numerics check (default: the smallest L run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.steps = [2, 4], 2
+    layer_counts = sorted(set(args.layers))
+    cfg = Config()
+    methods = [m for m in METHODS if m in args.methods]
+    if "unrolled" not in methods:
+        methods.insert(0, "unrolled")
+
+    notes = []
+    fwds: dict[str, Callable] = {"unrolled": fwd_unrolled}
+    try:
+        fwds["ours"] = make_fwd_ours()
+    except Exception as e:  # the subject of the benchmark: nothing to compare without it
+        print(f"cannot import torch_xla_ext ({type(e).__name__}: {e}); install the package first", file=sys.stderr)
+        return 2
+    if "torch_xla" in methods:
+        try:
+            import flax  # noqa: F401  (torchax imports it)
+            import torchax  # noqa: F401  (torch_xla's scan imports it for its SPMD backward)
+
+            fwds["torch_xla"] = make_fwd_torch_xla()
+        except Exception as e:
+            notes.append(f"NOTE: torch_xla scan_layers column skipped: its SPMD backward imports torchax, which "
+                         f"failed to import ({type(e).__name__}: {e}). Install flax==0.11.2 (with jax==0.7.1).")
+            methods.remove("torch_xla")
+    jx = None
+    if "jax" in methods:
+        try:
+            jx = jax_setup(cfg)
+            notes.append(f"NOTE: JAX runs in this same process (XLA_FLAGS={os.environ['XLA_FLAGS']!r}, "
+                         f"{NUM_DEVICES} CPU devices); torch_xla's client uses CPU_NUM_DEVICES and is unaffected.")
+        except Exception as e:
+            notes.append(f"NOTE: jax column skipped ({type(e).__name__}: {e})")
+            methods.remove("jax")
+
+    import torch_xla_ext
+    from torch_xla_ext.scan import scan_cache_info
+
+    mesh = xs.Mesh(np.arange(NUM_DEVICES), (NUM_DEVICES,), ("fsdp",))
+    print(f"model: pre-norm decoder block dim={cfg.dim} heads={cfg.heads} mlp={cfg.mlp}x seq={cfg.seq} "
+          f"batch={cfg.batch}; fp32; 2-D weights sharded ('fsdp', None), batch sharded on 'fsdp' "
+          f"over {NUM_DEVICES} virtual CPU devices")
+    print(f"layers L={layer_counts}, methods={methods}; per method: 1 compiling step + {args.warmup} warm-up, "
+          f"then {args.steps} timed steps interleaved round robin with the other methods; "
+          f"each torch method has its own fresh copy of the same weights; host has {os.cpu_count()} CPU cores")
+    print(f"torch_xla_ext from {os.path.dirname(torch_xla_ext.__file__)}, torch {torch.__version__}, "
+          f"torch_xla {torch_xla.__version__}" + (f", jax {jx[0].__version__}" if jx else ""))
+    for n in notes:
+        print(n)
+    print(flush=True)
+
+    results: dict[tuple[str, int], Result] = {}
+    t_start = time.perf_counter()
+    check_at = args.check_layers or layer_counts[0]
+    check_lines = None
+    cache_lines = []
+
+    def failed(m: str, n: int, e: Exception) -> Result:
+        return Result(m, n, note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+    for n in layer_counts:
+        cpu_layers, x_cpu, host = build(cfg, n)
+        x_np = x_cpu.numpy()
+        runners = {}
+        for m in methods:  # compile + warm up, one method after the other
+            t0 = time.perf_counter()
+            try:
+                if m == "jax":
+                    runner = JaxRunner(jx, host, x_np)
+                else:
+                    runner = TorchRunner(m, fwds[m], *place(cpu_layers, x_cpu, mesh))
+                runner.first(args.warmup)
+                runners[m] = runner
+                note = runner.res.note
+            except Exception as e:
+                results[(m, n)] = failed(m, n, e)
+                note = results[(m, n)].note
+            print(f"  [{time.perf_counter() - t_start:6.1f}s] L={n:<3} {m:<9} compiled + warmed up in "
+                  f"{time.perf_counter() - t0:5.1f}s  {note}", flush=True)
+        before = scan_cache_info()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):  # timed steps, round robin over the methods
+            for m, runner in list(runners.items()):
+                try:
+                    runner.timed()
+                except Exception as e:
+                    results[(m, n)] = failed(m, n, e)
+                    del runners[m]
+        after = scan_cache_info()
+        cache_lines.append(f"L={n}: +{after.traces - before.traces} traces, +{after.hits - before.hits} hits")
+        for m, runner in runners.items():
+            results[(m, n)] = runner.result()
+        print(f"  [{time.perf_counter() - t_start:6.1f}s] L={n:<3} {args.steps} timed rounds in "
+              f"{time.perf_counter() - t0:5.1f}s", flush=True)
+        del runners
+        if n == check_at:
+            layers, x = place(cpu_layers, x_cpu, mesh)
+            check_lines = check_numerics({m: fwds[m] for m in methods if m != "jax"}, layers, x, host, x_np,
+                                         jx if "jax" in methods else None)
+            del layers, x
+    print()
+    print_table(results, layer_counts, methods)
+    print()
+    print("torch_xla_ext scan cache during the timed rounds: " + "; ".join(cache_lines))
+    if check_lines is not None:
+        print(f"\nnumerics at L={check_at} (vs unrolled loop):")
+        for name, ok, line in check_lines:
+            print(f"  {'OK  ' if ok else 'FAIL'} {name:<10} {line}")
+    print("\ntargets:")
+    for name, verdict, detail in targets(results, layer_counts):
+        print(f"  {verdict:<4}  {name}: {detail}")
+    print(f"\ntotal wall time {time.perf_counter() - t_start:.1f}s")
+    plot(results, layer_counts, methods, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
