@@ -489,3 +489,43 @@ def test_scan_layers_rejects_heterogeneous_layers(device, mesh_1d):
     with pytest.raises(ValueError, match=r"layers\[1\].up.weight has sharding"):
         txe.scan_layers(layers, x)
     assert txe.scan_layers([], x) is x
+
+
+def test_bool_inputs_and_saved_bool_activations(device):
+    masks = torch.rand(3, 4) > 0.5
+    init = torch.zeros(4)
+    carry, _ = txe.scan(lambda c, m: (c.masked_fill(m, 0.0) + 1, None), init.to(device), masks.to(device))
+    ref = init
+    for m in masks:
+        ref = ref.masked_fill(m, 0.0) + 1
+    torch.testing.assert_close(carry.cpu(), ref)
+
+    w = torch.randn(4, 4).to(device).requires_grad_()
+    keep = (torch.arange(4) % 2 == 0).to(device)
+    out, _ = txe.scan(lambda h, x: ((h @ w).masked_fill(~keep, 0.0) + x, None),
+                      torch.ones(4).to(device), torch.ones(3, 4).to(device))
+    out.sum().backward()
+    w_ref = w.detach().cpu().requires_grad_()
+    h = torch.ones(4)
+    for _ in range(3):
+        h = (h @ w_ref).masked_fill(~keep.cpu(), 0.0) + 1
+    h.sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), w_ref.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_training_steps_after_the_first_do_not_recompile(device, mesh_1d):
+    """Unannotated parameters read '' before their first execution and '{replicated}' after it."""
+    layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2)).to(device)
+    for layer in layers:
+        xs.mark_sharding(layer.weight, mesh_1d, ("fsdp", None))  # biases stay unannotated
+    x = torch.randn(8, 16)
+    compiles = []
+    for _ in range(3):
+        before = met.metric_data("CompileTime")[0]
+        layers.zero_grad(set_to_none=True)
+        xd = x.to(device)
+        xs.mark_sharding(xd, mesh_1d, ("fsdp", None))
+        txe.scan_layers(layers, xd).sum().backward()
+        torch_xla.sync()
+        compiles.append(met.metric_data("CompileTime")[0] - before)
+    assert compiles[1:] == [0, 0], compiles

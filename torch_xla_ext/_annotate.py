@@ -15,7 +15,24 @@ import ast
 
 import torch
 
-__all__ = ["annotate_sharding", "ANNOTATE_OP"]
+__all__ = ["annotate_sharding", "fresh_node", "ANNOTATE_OP"]
+
+_REPLICATED = ("", "{replicated}")
+
+
+def fresh_node(t: torch.Tensor) -> torch.Tensor:
+    """A new lazy node equal to ``t`` (XLA removes the no-op).
+
+    Unlike ``t`` itself (device data, or a node already annotated), it can be
+    annotated with a sharding without replacing anything ``t`` refers to.
+    """
+    return t * 1 if t.dtype != torch.bool else t ^ False
+
+
+def is_replicated_spec(spec: str) -> bool:
+    """torch_xla reports an unannotated tensor as ``''`` before its first execution and
+    ``'{replicated}'`` after it; both mean "no sharding"."""
+    return spec in _REPLICATED
 
 
 @torch.library.custom_op("txe::annotate_sharding", mutates_args=())
@@ -23,8 +40,7 @@ def _annotate_sharding(t: torch.Tensor, mesh: str, spec: str, recompute_in_backw
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    # A fresh no-op node: t may already carry its own sharding annotation.
-    out = t * 1 if t.dtype != torch.bool else t.logical_and(True)
+    out = fresh_node(t)  # t may already carry its own sharding annotation
     partition_spec = ast.literal_eval(spec)
     if t.device.type == "xla":
         torch_xla._XLAC._xla_mark_sharding(out, xs.Mesh.from_str(mesh).get_op_sharding(partition_spec))

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
+import math
 import re
 import threading
 import weakref
@@ -37,6 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from ._annotate import fresh_node, is_replicated_spec
 from .lowering import LoweringContext, _require_xla_tensor
 
 __all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
@@ -183,8 +186,8 @@ def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 def _not_device_data(t: torch.Tensor) -> torch.Tensor:
     # A pending computation instead of device data, so that mark_sharding
     # inside fn annotates the value rather than replacing the tensor's data,
-    # which would detach it from its HLO parameter. XLA removes the no-op.
-    return t * 1 if t.dtype != torch.bool else t.logical_and(True)
+    # which would detach it from its HLO parameter.
+    return fresh_node(t)
 
 
 @contextlib.contextmanager
@@ -204,16 +207,14 @@ def _rng_state_kept():
 
 
 def _shard_like(values: Sequence[torch.Tensor | None], refs: Sequence[torch.Tensor | None]) -> None:
-    """Annotate each lazy value with its reference tensor's sharding (if any)."""
+    """Annotate each lazy value with its reference tensor's sharding, if it has one."""
     import torch_xla
 
     X = torch_xla._XLAC
     for value, ref in zip(values, refs):
-        if value is None or ref is None:
+        if value is None or ref is None or is_replicated_spec(X._get_xla_sharding_spec(ref)):
             continue
-        sharding = X._get_xla_op_sharding(ref)
-        if sharding is not None:
-            X._xla_mark_sharding(value, sharding)
+        X._xla_mark_sharding(value, X._get_xla_op_sharding(ref))
 
 
 class _Traced(NamedTuple):
@@ -257,6 +258,7 @@ class _Loop(NamedTuple):
     num_carry: int
     num_xs: int
     y_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    y_groups: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # packed ys: dtype, member indices
     outside: tuple[torch.Tensor, ...]    # lifted outside tensors, read when the loop runs
     constants: tuple[torch.Tensor, ...]  # device data the step created while traced
     uses_seed: bool
@@ -304,19 +306,28 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         else:  # pragma: no cover - the parameters of a lowered graph are device data
             raise RuntimeError(f"scan: HLO parameter {p.number} ({p.name}) is not backed by device data")
     num_params = len(ctx.module.entry_parameters)
-    n_c, n_x, n_y = len(traced.carry_ph), len(traced.x_ph), len(traced.ys)
+    n_c, n_x = len(traced.carry_ph), len(traced.x_ph)
     n_o, n_k = len(traced.outside_ph), len(constants)
 
     builder = xb.create_builder(name)
     shapes = [xb.mkshape(xb.Type.S64, ())]
     shapes += [xb.tensor_shape(t) for t in traced.carry_ph]
     shapes += [xb.mkshape(xb.Op.from_torch_type(t.dtype), (length, *t.shape)) for t in traced.x_ph]
-    shapes += [xb.mkshape(xb.Op.from_torch_type(y.dtype), (length, *y.shape)) for y in traced.ys]
+    # ys of one dtype are packed into one [length, sum of sizes] buffer: one
+    # dynamic-update-slice per dtype and iteration (XLA's CPU backend spends
+    # most of a scan's compile time generating code for each one).
+    groups: dict[torch.dtype, list[int]] = {}
+    for k, y in enumerate(traced.ys):
+        groups.setdefault(y.dtype, []).append(k)
+    y_groups = tuple((dtype, tuple(members)) for dtype, members in groups.items())
+    shapes += [xb.mkshape(xb.Op.from_torch_type(dtype), (length, sum(traced.ys[k].numel() for k in members)))
+               for dtype, members in y_groups]
     shapes += [xb.tensor_shape(t) for t in traced.outside_ph]
     shapes += [xb.tensor_shape(t) for t in constants]
     if seed_id >= 0:
         shapes.append(xb.mkshape(xb.Type.S64, ()))
     operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
+    n_g = len(y_groups)
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
     def cond_fn(i, *_rest):
@@ -326,7 +337,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         rest = list(rest)
         carry, rest = rest[:n_c], rest[n_c:]
         xs, rest = rest[:n_x], rest[n_x:]
-        ys, rest = rest[:n_y], rest[n_y:]
+        ys, rest = rest[:n_g], rest[n_g:]
         invariant = rest  # outside, constants, seed: passed through unchanged
         b = i.builder()
         zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
@@ -341,7 +352,11 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
             args[seed_id] = invariant[-1] + idx
         result = xb.Op.call(body, args)
         new_carry = [result.get_tuple_element(k) for k in range(n_c)]
-        new_ys = [_update_op(ys[k], result.get_tuple_element(n_c + k), idx, zero) for k in range(n_y)]
+        new_ys = []
+        for buf, (_, members) in zip(ys, y_groups):
+            flat = [result.get_tuple_element(n_c + k).reshape([traced.ys[k].numel()]) for k in members]
+            row = flat[0] if len(flat) == 1 else xb.Op.concat_in_dim(flat, 0)
+            new_ys.append(_update_op(buf, row, idx, zero))
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
         return xb.Op.tuple([i + one] + new_carry + xs + new_ys + invariant)
 
@@ -351,6 +366,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         num_carry=n_c,
         num_xs=n_x,
         y_shapes=tuple((tuple(y.shape), y.dtype) for y in traced.ys),
+        y_groups=y_groups,
         outside=tuple(traced.outside),
         constants=tuple(constants),
         uses_seed=seed_id >= 0,
@@ -364,7 +380,9 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
 
     device = torch_xla.device()
     operands = [torch.zeros((), dtype=torch.int64, device=device), *init, *xs]
-    operands += [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes]
+    sizes = [math.prod(shape) for shape, _ in loop.y_shapes]
+    operands += [torch.zeros((length, sum(sizes[k] for k in members)), dtype=dtype, device=device)
+                 for dtype, members in loop.y_groups]
     operands += list(loop.outside if outside is None else outside)
     operands += list(loop.constants)
     if loop.uses_seed:
@@ -375,7 +393,15 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         operands.append(base.to(device))
     out = torch_xla._XLAC._xla_user_computation("xla::txe_scan", operands, loop.computation)
     n_c, n_x = loop.num_carry, loop.num_xs
-    return list(out[1:1 + n_c]), list(out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_shapes)])
+    packed = out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_groups)]
+    ys: list[torch.Tensor | None] = [None] * len(loop.y_shapes)
+    for buf, (_, members) in zip(packed, loop.y_groups):
+        offset = 0
+        for k in members:
+            shape = loop.y_shapes[k][0]
+            ys[k] = buf[:, offset:offset + sizes[k]].reshape(length, *shape)
+            offset += sizes[k]
+    return list(out[1:1 + n_c]), ys
 
 
 # --------------------------------------------------------------------------- #
@@ -648,7 +674,7 @@ def _sharding_ref(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` when it carries a sharding annotation (so a gradient can copy it), else None."""
     import torch_xla
 
-    return t if torch_xla._XLAC._get_xla_sharding_spec(t) else None
+    return None if is_replicated_spec(torch_xla._XLAC._get_xla_sharding_spec(t)) else t
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -910,7 +936,8 @@ def scan(
     import torch_xla
 
     grad_on = torch.is_grad_enabled()
-    specs = tuple(torch_xla._XLAC._get_xla_sharding_specs(init_l + xs_l))
+    specs = tuple("" if is_replicated_spec(spec) else spec
+                  for spec in torch_xla._XLAC._get_xla_sharding_specs(init_l + xs_l))
     key = (init_spec, x_spec, tuple(_signature(t) for t in init_l), tuple(_signature(t) for t in xs_l),
            specs, tuple(t.requires_grad for t in init_l + xs_l), grad_on, length, reverse, partition_fn)
     plan = _cached_plan(fn, key, lambda: _make_plan(fn, init_spec, x_spec, init_l, xs_l, length, reverse,
@@ -947,11 +974,18 @@ def _shard_stacked(stacked: torch.Tensor, member: torch.Tensor) -> None:
     m = _SPEC.fullmatch(torch_xla._XLAC._get_xla_sharding_spec(member))
     if m is None:  # replicated, or a form only propagation should decide
         return
-    dims = [int(v) for v in m.group(1).split(",")]
-    ids = np.array([int(v) for v in m.group(2).split(",")])
-    names = tuple(f"axis{i}" for i in range(len(dims)))
-    mesh = xs.Mesh(ids, tuple(dims), names)
-    xs.mark_sharding(stacked, mesh, (None, *names[:member.dim()]))
+    mesh = _tile_mesh(m.group(1), m.group(2))
+    xs.mark_sharding(stacked, mesh, (None, *mesh.axis_names[:member.dim()]))
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_mesh(dims_text: str, devices_text: str):
+    """A mesh whose axes are the tile dimensions of a sharding string (one per distinct sharding)."""
+    import torch_xla.distributed.spmd as xs
+
+    dims = tuple(int(v) for v in dims_text.split(","))
+    ids = np.array([int(v) for v in devices_text.split(",")])
+    return xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
 
 
 class _Stack(torch.autograd.Function):
@@ -1064,9 +1098,10 @@ def scan_layers(
     if not layers:
         return x
     names = _check_homogeneous(layers)
+    states = [_layer_state(layer) for layer in layers]
     stacked = []
     for name in names:
-        members = [_layer_state(layer)[name] for layer in layers]
+        members = [state[name] for state in states]
         if any(m.requires_grad for m in members) and torch.is_grad_enabled():
             stacked.append(_Stack.apply(*members))
         else:
