@@ -12,6 +12,7 @@ instead of stacking the result across iterations (FSDP's reshard after forward).
 from __future__ import annotations
 
 import ast
+import functools
 
 import torch
 
@@ -35,15 +36,21 @@ def is_replicated_spec(spec: str) -> bool:
     return spec in _REPLICATED
 
 
+@functools.lru_cache(maxsize=1024)
+def _op_sharding(mesh: str, spec: str):
+    """The OpSharding for a (mesh, partition spec) pair, parsed once."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh.from_str(mesh).get_op_sharding(ast.literal_eval(spec))
+
+
 @torch.library.custom_op("txe::annotate_sharding", mutates_args=())
 def _annotate_sharding(t: torch.Tensor, mesh: str, spec: str, recompute_in_backward: bool) -> torch.Tensor:
     import torch_xla
-    import torch_xla.distributed.spmd as xs
 
     out = fresh_node(t)  # t may already carry its own sharding annotation
-    partition_spec = ast.literal_eval(spec)
     if t.device.type == "xla":
-        torch_xla._XLAC._xla_mark_sharding(out, xs.Mesh.from_str(mesh).get_op_sharding(partition_spec))
+        torch_xla._XLAC._xla_mark_sharding(out, _op_sharding(mesh, spec))
     return out
 
 

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import re
 import threading
 import weakref
@@ -258,7 +257,6 @@ class _Loop(NamedTuple):
     num_carry: int
     num_xs: int
     y_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    y_groups: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # packed ys: dtype, member indices
     outside: tuple[torch.Tensor, ...]    # lifted outside tensors, read when the loop runs
     constants: tuple[torch.Tensor, ...]  # device data the step created while traced
     uses_seed: bool
@@ -306,28 +304,21 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         else:  # pragma: no cover - the parameters of a lowered graph are device data
             raise RuntimeError(f"scan: HLO parameter {p.number} ({p.name}) is not backed by device data")
     num_params = len(ctx.module.entry_parameters)
-    n_c, n_x = len(traced.carry_ph), len(traced.x_ph)
+    n_c, n_x, n_y = len(traced.carry_ph), len(traced.x_ph), len(traced.ys)
     n_o, n_k = len(traced.outside_ph), len(constants)
 
     builder = xb.create_builder(name)
     shapes = [xb.mkshape(xb.Type.S64, ())]
     shapes += [xb.tensor_shape(t) for t in traced.carry_ph]
     shapes += [xb.mkshape(xb.Op.from_torch_type(t.dtype), (length, *t.shape)) for t in traced.x_ph]
-    # ys of one dtype are packed into one [length, sum of sizes] buffer: one
-    # dynamic-update-slice per dtype and iteration (XLA's CPU backend spends
-    # most of a scan's compile time generating code for each one).
-    groups: dict[torch.dtype, list[int]] = {}
-    for k, y in enumerate(traced.ys):
-        groups.setdefault(y.dtype, []).append(k)
-    y_groups = tuple((dtype, tuple(members)) for dtype, members in groups.items())
-    shapes += [xb.mkshape(xb.Op.from_torch_type(dtype), (length, sum(traced.ys[k].numel() for k in members)))
-               for dtype, members in y_groups]
+    # One stacked buffer per y (packing them by dtype compiles faster on CPU
+    # but makes the SPMD partitioner reshard the packed rows every iteration).
+    shapes += [xb.mkshape(xb.Op.from_torch_type(y.dtype), (length, *y.shape)) for y in traced.ys]
     shapes += [xb.tensor_shape(t) for t in traced.outside_ph]
     shapes += [xb.tensor_shape(t) for t in constants]
     if seed_id >= 0:
         shapes.append(xb.mkshape(xb.Type.S64, ()))
     operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
-    n_g = len(y_groups)
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
     def cond_fn(i, *_rest):
@@ -337,7 +328,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         rest = list(rest)
         carry, rest = rest[:n_c], rest[n_c:]
         xs, rest = rest[:n_x], rest[n_x:]
-        ys, rest = rest[:n_g], rest[n_g:]
+        ys, rest = rest[:n_y], rest[n_y:]
         invariant = rest  # outside, constants, seed: passed through unchanged
         b = i.builder()
         zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
@@ -352,11 +343,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
             args[seed_id] = invariant[-1] + idx
         result = xb.Op.call(body, args)
         new_carry = [result.get_tuple_element(k) for k in range(n_c)]
-        new_ys = []
-        for buf, (_, members) in zip(ys, y_groups):
-            flat = [result.get_tuple_element(n_c + k).reshape([traced.ys[k].numel()]) for k in members]
-            row = flat[0] if len(flat) == 1 else xb.Op.concat_in_dim(flat, 0)
-            new_ys.append(_update_op(buf, row, idx, zero))
+        new_ys = [_update_op(ys[k], result.get_tuple_element(n_c + k), idx, zero) for k in range(n_y)]
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
         return xb.Op.tuple([i + one] + new_carry + xs + new_ys + invariant)
 
@@ -366,7 +353,6 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         num_carry=n_c,
         num_xs=n_x,
         y_shapes=tuple((tuple(y.shape), y.dtype) for y in traced.ys),
-        y_groups=y_groups,
         outside=tuple(traced.outside),
         constants=tuple(constants),
         uses_seed=seed_id >= 0,
@@ -380,9 +366,7 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
 
     device = torch_xla.device()
     operands = [torch.zeros((), dtype=torch.int64, device=device), *init, *xs]
-    sizes = [math.prod(shape) for shape, _ in loop.y_shapes]
-    operands += [torch.zeros((length, sum(sizes[k] for k in members)), dtype=dtype, device=device)
-                 for dtype, members in loop.y_groups]
+    operands += [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes]
     operands += list(loop.outside if outside is None else outside)
     operands += list(loop.constants)
     if loop.uses_seed:
@@ -393,15 +377,7 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         operands.append(base.to(device))
     out = torch_xla._XLAC._xla_user_computation("xla::txe_scan", operands, loop.computation)
     n_c, n_x = loop.num_carry, loop.num_xs
-    packed = out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_groups)]
-    ys: list[torch.Tensor | None] = [None] * len(loop.y_shapes)
-    for buf, (_, members) in zip(packed, loop.y_groups):
-        offset = 0
-        for k in members:
-            shape = loop.y_shapes[k][0]
-            ys[k] = buf[:, offset:offset + sizes[k]].reshape(length, *shape)
-            offset += sizes[k]
-    return list(out[1:1 + n_c]), ys
+    return list(out[1:1 + n_c]), list(out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_shapes)])
 
 
 # --------------------------------------------------------------------------- #
