@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-__all__ = ["annotate_sharding", "fresh_node", "ANNOTATE_OP"]
+__all__ = ["annotate_sharding", "shard_activation", "fresh_node", "ANNOTATE_OP"]
 
 _REPLICATED = ("", "{replicated}")
 
@@ -65,3 +65,21 @@ ANNOTATE_OP = torch.ops.txe.annotate_sharding.default
 def annotate_sharding(t: torch.Tensor, mesh, spec: tuple, *, recompute_in_backward: bool = False) -> torch.Tensor:
     """``t`` annotated with partition ``spec`` over the torch_xla ``mesh`` (no autograd formula)."""
     return torch.ops.txe.annotate_sharding(t, str(mesh), str(tuple(spec)), recompute_in_backward)
+
+
+class _ShardActivation(torch.autograd.Function):
+    """Annotate a value and its gradient with the same sharding."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
+        ctx.mesh, ctx.spec = mesh, spec
+        return annotate_sharding(t, mesh, spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return annotate_sharding(grad, ctx.mesh, ctx.spec), None, None
+
+
+def shard_activation(t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
+    """``t`` and, in the backward, its gradient annotated with ``spec`` over ``mesh``."""
+    return _ShardActivation.apply(t, mesh, tuple(spec))

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .._annotate import annotate_sharding
+from .._annotate import annotate_sharding, shard_activation
 from ._dynamo import annotate_modules_for_dynamo
 from ._lca import param_owners
 from ._traversal import lr_dfs, module_tree
@@ -332,7 +332,16 @@ class _FSDPState:
         if mp.output_dtype is not None:
             out = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.output_dtype) if t.is_floating_point() else t, out)
-        return out
+        # Keep activations sharded over the fsdp axis on their leading (batch)
+        # dimension, so the compiler gathers weights rather than activations.
+        return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
+
+    def _shard_batch(self, t: torch.Tensor) -> torch.Tensor:
+        if (t.device.type != "xla" or not t.is_floating_point() or t.dim() == 0
+                or t.shape[0] % _axis_size(self.mesh, self.axis)):
+            return t
+        spec = (self.axis,) + (None,) * (t.dim() - 1)
+        return shard_activation(t, self.mesh, spec) if t.requires_grad else annotate_sharding(t, self.mesh, spec)
 
 
 def _tracing(swapped: list[tuple[nn.Module, str, Any]]) -> bool:
