@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-__all__ = ["annotate_sharding", "shard_activation", "fresh_node", "ANNOTATE_OP"]
+__all__ = ["annotate_sharding", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP"]
 
 _REPLICATED = ("", "{replicated}")
 
@@ -28,6 +28,19 @@ def fresh_node(t: torch.Tensor) -> torch.Tensor:
     annotated with a sharding without replacing anything ``t`` refers to.
     """
     return t * 1 if t.dtype != torch.bool else t ^ False
+
+
+def behind_barrier(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that XLA may not merge with computations before it.
+
+    Recomputing a value (a gather) from this copy in the backward keeps XLA
+    from reusing the forward's value, which would keep it alive until then.
+    """
+    import torch_xla.core.xla_model as xm
+
+    fresh = [fresh_node(t)]
+    xm.optimization_barrier_(fresh)
+    return fresh[0]
 
 
 def is_replicated_spec(spec: str) -> bool:

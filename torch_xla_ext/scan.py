@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from ._annotate import fresh_node, is_replicated_spec
+from ._annotate import behind_barrier, fresh_node, is_replicated_spec
 from .lowering import LoweringContext, _require_xla_tensor
 
 __all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
@@ -476,16 +476,8 @@ def _recompute_chain(node, placeholders: list):
 
 
 def _replay(value: torch.Tensor, ops: list) -> torch.Tensor:
-    """Recompute a saved value from its input, behind an optimization barrier.
-
-    The barrier keeps XLA from merging the recomputation with the forward's,
-    which would keep the forward's value alive until the backward.
-    """
-    import torch_xla.core.xla_model as xm
-
-    fresh = [value * 1]
-    xm.optimization_barrier_(fresh)
-    value = fresh[0]
+    """Recompute a saved value from its input, behind an optimization barrier."""
+    value = behind_barrier(value)
     for target, args, kwargs in ops:
         value = target(value, *args, **kwargs)
     return value

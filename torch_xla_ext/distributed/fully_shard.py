@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .._annotate import annotate_sharding, shard_activation
+from .._annotate import annotate_sharding, behind_barrier, fresh_node, shard_activation
 from ._dynamo import annotate_modules_for_dynamo
 from ._lca import param_owners
 from ._traversal import lr_dfs, module_tree
@@ -189,7 +189,7 @@ def _spec_string(mesh, spec: tuple, param: torch.Tensor) -> str:
 
     if all(s is None for s in spec):
         return ""
-    standin = xb.create_placeholder_tensor(tuple(param.shape), param.dtype) * 1
+    standin = fresh_node(xb.create_placeholder_tensor(tuple(param.shape), param.dtype))
     torch_xla._XLAC._xla_mark_sharding(standin, mesh.get_op_sharding(spec))
     return torch_xla._XLAC._get_xla_sharding_spec(standin)
 
@@ -253,14 +253,9 @@ class _Regather:
         self.source, self.dtype, self.mesh, self.dims = source, dtype, mesh, dims
 
     def unpack(self) -> torch.Tensor:
-        import torch_xla.core.xla_model as xm
-
         with torch.no_grad():
-            # The barrier keeps XLA from merging this gather with the forward's,
-            # which would keep the gathered weight alive from forward to backward.
-            fresh = [self.source.detach() * 1]
-            xm.optimization_barrier_(fresh)
-            return annotate_sharding(fresh[0].to(self.dtype), self.mesh, (None,) * self.dims)
+            fresh = behind_barrier(self.source.detach())
+            return annotate_sharding(fresh.to(self.dtype), self.mesh, (None,) * self.dims)
 
 
 # --------------------------------------------------------------------------- #
@@ -280,10 +275,9 @@ class _Slot:
 
 
 class _FSDPState:
-    def __init__(self, module: nn.Module, mesh, axis, reshard_after_forward: bool,
+    def __init__(self, mesh, axis, reshard_after_forward: bool,
                  shard_placement_fn: Callable | None, mp_policy: MixedPrecisionPolicy,
                  ignored_params: set[nn.Parameter]) -> None:
-        self.module_ref = weakref.ref(module)
         self.mesh, self.axis = mesh, axis
         self.reshard_after_forward = reshard_after_forward
         self.shard_placement_fn = shard_placement_fn
@@ -510,7 +504,7 @@ def fully_shard(
             xs.mark_sharding(p, mesh, slot.spec)
         _record_applied(p, slot.spec)
         p.register_hook(_grad_sharder(mesh, slot.spec))
-    state = _FSDPState(module, mesh, axis, reshard_after_forward, shard_placement_fn, mp_policy, set(ignored))
+    state = _FSDPState(mesh, axis, reshard_after_forward, shard_placement_fn, mp_policy, set(ignored))
     module.__dict__[_STATE] = state
     module.__class__ = _fsdp_class(type(module))
     _registry.add(module)
