@@ -57,14 +57,18 @@ def _op_sharding(mesh: str, spec: str):
     return xs.Mesh.from_str(mesh).get_op_sharding(ast.literal_eval(spec))
 
 
-@torch.library.custom_op("txe::annotate_sharding", mutates_args=())
-def _annotate_sharding(t: torch.Tensor, mesh: str, spec: str, recompute_in_backward: bool) -> torch.Tensor:
+def _annotated(t: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
     import torch_xla
 
     out = fresh_node(t)  # t may already carry its own sharding annotation
     if t.device.type == "xla":
         torch_xla._XLAC._xla_mark_sharding(out, _op_sharding(mesh, spec))
     return out
+
+
+@torch.library.custom_op("txe::annotate_sharding", mutates_args=())
+def _annotate_sharding(t: torch.Tensor, mesh: str, spec: str, recompute_in_backward: bool) -> torch.Tensor:
+    return _annotated(t, mesh, spec)
 
 
 @_annotate_sharding.register_fake
@@ -75,9 +79,29 @@ def _annotate_sharding_fake(t: torch.Tensor, mesh: str, spec: str, recompute_in_
 ANNOTATE_OP = torch.ops.txe.annotate_sharding.default
 
 
+_mesh_texts: dict[int, tuple[object, str]] = {}
+
+
+def _mesh_text(mesh) -> str:
+    """``str(mesh)`` (what the op carries), computed once per mesh object."""
+    entry = _mesh_texts.get(id(mesh))
+    if entry is None or entry[0] is not mesh:
+        entry = _mesh_texts[id(mesh)] = (mesh, str(mesh))
+    return entry[1]
+
+
 def annotate_sharding(t: torch.Tensor, mesh, spec: tuple, *, recompute_in_backward: bool = False) -> torch.Tensor:
-    """``t`` annotated with partition ``spec`` over the torch_xla ``mesh`` (no autograd formula)."""
-    return torch.ops.txe.annotate_sharding(t, str(mesh), str(tuple(spec)), recompute_in_backward)
+    """``t`` annotated with partition ``spec`` over the torch_xla ``mesh`` (no autograd formula).
+
+    Recorded as the ``txe::annotate_sharding`` op while AOTAutograd traces
+    (inside ``scan``); applied directly to lazy XLA tensors otherwise.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    mesh_text, spec_text = _mesh_text(mesh), str(tuple(spec))
+    if is_fake(t):
+        return torch.ops.txe.annotate_sharding(t, mesh_text, spec_text, recompute_in_backward)
+    return _annotated(t, mesh_text, spec_text)
 
 
 class _ShardActivation(torch.autograd.Function):
