@@ -153,7 +153,7 @@ def run_config(num: int, total_bytes: int, mesh, reps: int, host_reps: int) -> d
     raw = raw_ctx()
     assert ctx.tensor_parameter_ids(params) == [raw.tensor_parameter_id(t) for t in params]
     assert sorted(ctx.device_parameter_id_tensor_mapping()) == sorted(raw.device_parameter_id_tensor_mapping())
-    del params, out
+    # (params and out are released when this returns)
     torch_xla.sync()
     return row
 
