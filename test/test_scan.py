@@ -529,3 +529,21 @@ def test_training_steps_after_the_first_do_not_recompile(device, mesh_1d):
         torch_xla.sync()
         compiles.append(met.metric_data("CompileTime")[0] - before)
     assert compiles[1:] == [0, 0], compiles
+
+
+def test_bound_methods_are_cached(device):
+    class Stepper:
+        def __init__(self) -> None:
+            self.scale = 0.5
+
+        def step(self, c, x):
+            return c * self.scale + x, None
+
+    stepper = Stepper()
+    init, xs_ = torch.zeros(3).to(device), torch.ones(2, 3).to(device)
+    txe.scan(stepper.step, init, xs_)
+    before = scan_cache_info()
+    carry, _ = txe.scan(stepper.step, init, xs_)  # a new bound-method object, same function and instance
+    after = scan_cache_info()
+    assert after.traces == before.traces and after.hits == before.hits + 1
+    torch.testing.assert_close(carry.cpu(), torch.full((3,), 1.5))

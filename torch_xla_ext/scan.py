@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import re
 import threading
@@ -794,9 +795,10 @@ def _make_plan(fn: Callable, init_spec, x_spec, init: list[torch.Tensor], xs: li
 
 
 def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool) -> _Plan:
-    if pure:
+    owner, key = _cache_slot(fn, key)
+    if pure and owner is not None:
         with _cache_lock:
-            entry = _cache.get(fn) if _weakrefable(fn) else None
+            entry = _cache.get(owner)
             plan = entry.get(key) if entry else None
             if plan is not None and tuple(t.requires_grad for t in plan.outside) == plan.outside_grad:
                 _counters["hits"] += 1
@@ -804,17 +806,23 @@ def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool
     plan = make()
     with _cache_lock:
         _counters["traces"] += 1
-        if pure and _weakrefable(fn):
-            _cache.setdefault(fn, {})[key] = plan
+        if pure and owner is not None:
+            _cache.setdefault(owner, {})[key] = plan
     return plan
 
 
-def _weakrefable(obj: Any) -> bool:
+def _cache_slot(fn: Callable, key: tuple) -> tuple[Any, tuple]:
+    """The object the cache holds weakly for ``fn`` (None: not cacheable) and the full key.
+
+    A bound method is a new object on every attribute access, so it is cached
+    under its instance, keyed also by its function.
+    """
+    owner, func = (fn.__self__, fn.__func__) if inspect.ismethod(fn) else (fn, None)
     try:
-        weakref.ref(obj)
+        weakref.ref(owner)
     except TypeError:
-        return False
-    return True
+        return None, key
+    return owner, (func, *key)
 
 
 # --------------------------------------------------------------------------- #
