@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -13,6 +15,7 @@ def example_code() -> str:
     return text[start:text.index("```", start)]
 
 
+@pytest.mark.filterwarnings("ignore:XLA_USE_SPMD is being deprecated")  # the example enables SPMD again
 def test_readme_example_runs(capsys):
     exec(compile(example_code(), str(README), "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out
