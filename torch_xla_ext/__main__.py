@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch  # importing torch (not torch_xla) before the device is chosen is fine
 
+from ._format import format_bytes, parse_tiled_spec
+
 
 def _default_to_cpu_devices(num_devices: int) -> str:
     """Use PJRT's CPU client with virtual devices unless the user chose a device or a TPU is attached."""
@@ -35,14 +37,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -92,7 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
     params = ctx.parameters(inputs=[x])
     module = ctx.module
     print(f"HLO module {module.name!r}: {module.num_instructions} instructions, "
-          f"{len(module.entry_parameters)} parameters, constants {_fmt_bytes(module.constants_bytes)}, "
+          f"{len(module.entry_parameters)} parameters, constants {format_bytes(module.constants_bytes)}, "
           f"host-transfer instructions {len(module.host_transfers())}, while loops {len(module.while_loops())}")
     print(_table(
         ["#", "name", "shape", "dtype", "sharding", "kind"],
@@ -114,7 +108,7 @@ def _demo(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             mapping = fetch(c)
             elapsed = time.perf_counter() - t0
-        rows.append((label, len(mapping), f"{elapsed * 1e3:.2f} ms", _fmt_bytes(m.d2h_bytes),
+        rows.append((label, len(mapping), f"{elapsed * 1e3:.2f} ms", format_bytes(m.d2h_bytes),
                      m.d2h_transfers, m.replicate_sharded_data))
     print(_table(["path", "params", "time", "bytes to host", "transfers", "ReplicateShardedData"], rows))
     host_ms = float(rows[0][2].split()[0])
@@ -182,7 +176,7 @@ def _demo_scan_layers(mesh, args: argparse.Namespace) -> None:
         after = met.metric_data("CompileTime") or (0, 0)
         outputs[label] = (out, [p.grad for p in layers.parameters()])
         rows.append((label, f"{traced * 1e3:.1f} ms", f"{(after[1] - compiles[1]) / 1e9:.2f} s",
-                     f"{first:.2f} s", _fmt_bytes(m.d2h_bytes)))
+                     f"{first:.2f} s", format_bytes(m.d2h_bytes)))
     print(_table(["forward+backward", "tracing", "XLA compile", "first step", "bytes to host"], rows))
 
     (out_u, grads_u), (out_s, grads_s) = outputs["unrolled loop"], outputs["txe.scan_layers"]
@@ -245,8 +239,8 @@ def _demo_fsdp(args: argparse.Namespace) -> None:
     total = sum(p.numel() * p.element_size() for p in params)
     per_device = sum(_per_device_bytes(p) for p in params)
     print(f"{len(get_fully_sharded_modules(model))} fully sharded modules; tied weight kept: "
-          f"{model.embed.weight is model.head.weight}; parameters {_fmt_bytes(total)} total, "
-          f"{_fmt_bytes(per_device)} per device")
+          f"{model.embed.weight is model.head.weight}; parameters {format_bytes(total)} total, "
+          f"{format_bytes(per_device)} per device")
     device = torch_xla.device()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (16, 32), generator=g).to(device)
@@ -279,18 +273,13 @@ def _demo_fsdp(args: argparse.Namespace) -> None:
 
 def _per_device_bytes(t: torch.Tensor) -> int:
     """Bytes one device holds of ``t``, from its sharding string."""
-    import re
-
     import torch_xla
 
-    m = re.fullmatch(r"\{devices=\[([\d,]+)\][^ }]*( last_tile_dim_replicate)?\}",
-                     torch_xla._XLAC._get_xla_sharding_spec(t))
+    tiled = parse_tiled_spec(torch_xla._XLAC._get_xla_sharding_spec(t))
     shards = 1
-    if m:
-        dims = [int(v) for v in m.group(1).split(",")]
-        if m.group(2):
-            dims = dims[:-1]
-        for d in dims:
+    if tiled:
+        dims, _, replicated_last = tiled
+        for d in dims[:-1] if replicated_last else dims:
             shards *= d
     return t.numel() * t.element_size() // shards
 

@@ -21,6 +21,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from . import _C
+from ._format import format_bytes
 
 __all__ = [
     "Collective",
@@ -416,15 +417,6 @@ def _computation(c: _C.Computation, shapes: dict[tuple, Shape]) -> HloComputatio
     return HloComputation(id=c.id, name=name, root_id=c.root_id, instructions=tuple(instructions))
 
 
-def _format_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -609,7 +601,7 @@ class HloModule:
             lines += _table(rows)
         collectives = self.collectives()
         total = sum(c.operand_bytes for c in collectives)
-        lines.append(f"Collectives ({len(collectives)}, {_format_bytes(total)} of operands):")
+        lines.append(f"Collectives ({len(collectives)}, {format_bytes(total)} of operands):")
         if collectives:
             rows = [["opcode", "instruction", "computation", "bytes", "replica groups", "channel"]]
             for c in collectives:
@@ -618,7 +610,7 @@ class HloModule:
                         c.opcode,
                         c.instruction.name,
                         c.computation,
-                        _format_bytes(c.operand_bytes),
+                        format_bytes(c.operand_bytes),
                         _groups_text(c.replica_groups),
                         "-" if c.channel_id is None else str(c.channel_id),
                     ]
@@ -646,7 +638,7 @@ class HloModule:
                     ]
                 )
             lines += _table(rows)
-        lines.append(f"Constants: {_format_bytes(self.constants_bytes)}")
+        lines.append(f"Constants: {format_bytes(self.constants_bytes)}")
         return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from ._annotate import is_replicated_spec
 from .hlo import HloModule, HloParameter, read_hlo
 
 __all__ = ["LoweringContext", "DEVICE_MAPPING_ENV"]
@@ -36,7 +37,6 @@ __all__ = ["LoweringContext", "DEVICE_MAPPING_ENV"]
 DEVICE_MAPPING_ENV = "TORCH_XLA_EXT_DEVICE_MAPPING"
 _MAPPING_IMPLS = ("auto", "native", "fallback")
 
-_REPLICATED_SPECS = frozenset({"", "{replicated}"})
 
 
 def _xlac():
@@ -63,7 +63,7 @@ def _require_xla_tensor(t: object, what: str) -> torch.Tensor:
 def _same_sharding(tensor_spec: str | None, hlo_spec: str | None) -> bool:
     a = tensor_spec or ""
     b = hlo_spec or ""
-    return a == b or (a in _REPLICATED_SPECS and b in _REPLICATED_SPECS)
+    return a == b or (is_replicated_spec(a) and is_replicated_spec(b))
 
 
 class LoweringContext:

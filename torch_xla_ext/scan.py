@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from ._annotate import behind_barrier, fresh_node, is_replicated_spec
+from ._format import parse_tiled_spec
 from .lowering import LoweringContext, _require_xla_tensor
 
 __all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
@@ -939,7 +940,6 @@ def scan(
 # scan_layers.
 # --------------------------------------------------------------------------- #
 
-_SPEC = re.compile(r"\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}")
 
 
 def _shard_stacked(stacked: torch.Tensor, member: torch.Tensor) -> None:
@@ -947,19 +947,18 @@ def _shard_stacked(stacked: torch.Tensor, member: torch.Tensor) -> None:
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    m = _SPEC.fullmatch(torch_xla._XLAC._get_xla_sharding_spec(member))
-    if m is None:  # replicated, or a form only propagation should decide
-        return
-    mesh = _tile_mesh(m.group(1), m.group(2))
+    tiled = parse_tiled_spec(torch_xla._XLAC._get_xla_sharding_spec(member))
+    if tiled is None or not re.fullmatch(r"[\d,]+", tiled[1]):
+        return  # replicated, or a form (iota) only propagation should decide
+    mesh = _tile_mesh(tiled[0], tiled[1])
     xs.mark_sharding(stacked, mesh, (None, *mesh.axis_names[:member.dim()]))
 
 
 @functools.lru_cache(maxsize=256)
-def _tile_mesh(dims_text: str, devices_text: str):
+def _tile_mesh(dims: tuple[int, ...], devices_text: str):
     """A mesh whose axes are the tile dimensions of a sharding string (one per distinct sharding)."""
     import torch_xla.distributed.spmd as xs
 
-    dims = tuple(int(v) for v in dims_text.split(","))
     ids = np.array([int(v) for v in devices_text.split(",")])
     return xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
 

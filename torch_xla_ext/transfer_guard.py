@@ -41,6 +41,8 @@ from typing import Any, Literal
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._format import format_bytes
+
 __all__ = [
     "HostTransferError",
     "TransferStats",
@@ -136,7 +138,7 @@ class TransferStats:
         parts = []
         if direction in (None, _D2H) and self.device_to_host:
             parts.append(
-                f"device->host: {self.d2h_transfers} transfer(s), {_fmt_bytes(self.d2h_bytes)} "
+                f"device->host: {self.d2h_transfers} transfer(s), {format_bytes(self.d2h_bytes)} "
                 f"in {self.d2h_time_ns / 1e6:.2f} ms (TransferFromDeviceTime/InboundData), "
                 f"ReplicateShardedData={self.replicate_sharded_data}, "
                 f"xla::_to_cpu={self.to_cpu}, "
@@ -144,19 +146,10 @@ class TransferStats:
             )
         if direction in (None, _H2D) and self.host_to_device:
             parts.append(
-                f"host->device: {self.h2d_transfers} transfer(s), {_fmt_bytes(self.h2d_bytes)} "
+                f"host->device: {self.h2d_transfers} transfer(s), {format_bytes(self.h2d_bytes)} "
                 f"in {self.h2d_time_ns / 1e6:.2f} ms (TransferToDeviceTime/OutboundData)"
             )
         return "; ".join(parts) if parts else "nothing moved"
-
-
-def _fmt_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _read_stats() -> TransferStats:

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .._annotate import annotate_sharding, behind_barrier, fresh_node, shard_activation
+from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replicated_spec, shard_activation
 from ._dynamo import annotate_modules_for_dynamo
 from ._lca import param_owners
 from ._traversal import lr_dfs, module_tree
@@ -200,7 +200,7 @@ def _current_spec(t: torch.Tensor) -> str:
     if t.device.type != "xla":
         return ""
     spec = torch_xla._XLAC._get_xla_sharding_spec(t)
-    return "" if spec == "{replicated}" else spec
+    return "" if is_replicated_spec(spec) else spec
 
 
 # Parameters this library sharded: id -> (weak reference, partition spec applied).
