@@ -465,6 +465,50 @@ def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
     assert spec(out) == spec(x)
 
 
+def _stacking_profile(layers, x) -> tuple[int, int, int]:
+    """(concatenates, slices, constants) in the lowered graph of scan_layers' per-layer gradients."""
+    for p in layers.parameters():
+        p.grad = None
+    txe.scan_layers(layers, x).square().sum().backward()
+    ctx = txe.LoweringContext("stacking")
+    ctx.build([p.grad for p in layers.parameters()])
+    ops = [inst.opcode for comp in ctx.module.computations for inst in comp.instructions]
+    return ops.count("concatenate"), ops.count("slice"), ops.count("constant")
+
+
+def test_scan_layers_stacks_at_runtime_offsets(device, mesh_1d):
+    # Stacking with one concatenate operand per layer and handing gradients
+    # back with one constant-offset slice per layer makes XLA generate a
+    # kernel per layer: compile time grows with the depth. With the offsets
+    # as runtime operands the graph has no per-layer constants at all.
+    profiles = {}
+    for n in (2, 5):
+        layers = make_blocks(n).to(device)
+        for layer in layers:
+            xs.mark_sharding(layer.up.weight, mesh_1d, ("fsdp", None))
+        profiles[n] = _stacking_profile(layers, torch.randn(4, 16).to(device))
+    concatenates, slices, constants = profiles[5]
+    assert concatenates == 0 and slices == 0, profiles
+    assert profiles[2][2] == constants, profiles
+
+
+def test_scan_does_not_keep_its_inputs_alive(device, mesh_1d):
+    # A tensor that is still alive at the next sync becomes one more output of
+    # the synced graph: the gradient step must not hold on to xs.
+    import weakref
+
+    w = torch.randn(8, 4).to(device).requires_grad_()
+    xs_t = w * 2
+    xs.mark_sharding(xs_t, mesh_1d, (None, "fsdp"))
+    alive = weakref.ref(xs_t)
+    carry, _ = txe.scan(cumsum_fn, torch.zeros(4, device=device), xs_t)
+    del xs_t
+    loss = carry.sum()
+    loss.backward()
+    assert alive() is None
+    torch.testing.assert_close(w.grad.cpu(), torch.full((8, 4), 2.0))
+
+
 def test_scan_layers_reuses_its_trace(device):
     layers = make_blocks(2).to(device)
     x = torch.randn(3, 16).to(device)

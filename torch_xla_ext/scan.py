@@ -207,15 +207,38 @@ def _rng_state_kept():
         xm.set_rng_state(state)
 
 
-def _shard_like(values: Sequence[torch.Tensor | None], refs: Sequence[torch.Tensor | None]) -> None:
-    """Annotate each lazy value with its reference tensor's sharding, if it has one."""
+def _sharding_of(t: torch.Tensor) -> Any:
+    """``t``'s sharding annotation (an ``OpSharding``), or None when it has none or is replicated.
+
+    Holding this rather than ``t`` matters: a tensor kept alive until the next
+    sync becomes an output of the synced graph and is materialized.
+    """
     import torch_xla
 
     X = torch_xla._XLAC
-    for value, ref in zip(values, refs):
-        if value is None or ref is None or is_replicated_spec(X._get_xla_sharding_spec(ref)):
-            continue
-        X._xla_mark_sharding(value, X._get_xla_op_sharding(ref))
+    return None if is_replicated_spec(X._get_xla_sharding_spec(t)) else X._get_xla_op_sharding(t)
+
+
+def _canonical_specs(tensors: list[torch.Tensor]) -> list[str]:
+    """Sharding strings with both spellings of "not sharded" (``''`` and ``'{replicated}'``) as ``'{replicated}'``."""
+    import torch_xla
+
+    specs = torch_xla._XLAC._get_xla_sharding_specs(tensors) if tensors else []
+    return ["{replicated}" if is_replicated_spec(spec) else spec for spec in specs]
+
+
+def _apply_shardings(values: Sequence[torch.Tensor | None], shardings: Sequence[Any]) -> None:
+    """Annotate each lazy value with its ``OpSharding`` (from :func:`_sharding_of`), where it has one."""
+    import torch_xla
+
+    for value, sharding in zip(values, shardings):
+        if value is not None and sharding is not None:
+            torch_xla._XLAC._xla_mark_sharding(value, sharding)
+
+
+def _shard_like(values: Sequence[torch.Tensor | None], refs: Sequence[torch.Tensor | None]) -> None:
+    """Annotate each lazy value with its reference tensor's sharding, if it has one."""
+    _apply_shardings(values, [None if r is None else _sharding_of(r) for r in refs])
 
 
 class _Traced(NamedTuple):
@@ -640,13 +663,6 @@ def _is_float_dtype(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def _sharding_ref(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` when it carries a sharding annotation (so a gradient can copy it), else None."""
-    import torch_xla
-
-    return None if is_replicated_spec(torch_xla._XLAC._get_xla_sharding_spec(t)) else t
-
-
 class _ScanFunction(torch.autograd.Function):
     """Forward loop saving activations; backward loop in reverse."""
 
@@ -658,7 +674,7 @@ class _ScanFunction(torch.autograd.Function):
             carry, ys_all = _run(plan.fwd_loop, init, xs, plan.length, outside=flat[n_c + n_x:])
         ys, stacked = ys_all[:plan.num_y], ys_all[plan.num_y:]
         ctx.plan = plan
-        ctx.refs = [_sharding_ref(t) for t in init + xs]
+        ctx.shardings = [_sharding_of(t) for t in init + xs]
         ctx.save_for_backward(*stacked, *[xs[j] for j in plan.x_aliased])
         outs = carry + ys
         ctx.mark_non_differentiable(*[t for t in outs if not _is_float(t)])
@@ -695,8 +711,8 @@ class _ScanFunction(torch.autograd.Function):
         for j, g in zip([j for j in range(n_x) if plan.grad_mask[n_c + j]], gxs):
             grad_xs[j] = g
         # Gradients are sharded like the tensors they belong to.
-        _shard_like(grad_init, ctx.refs[:n_c])
-        _shard_like(grad_xs, ctx.refs[n_c:n_c + n_x])
+        _apply_shardings(grad_init, ctx.shardings[:n_c])
+        _apply_shardings(grad_xs, ctx.shardings[n_c:n_c + n_x])
         _shard_like(grad_outside_vals, plan.outside)
         return (None, *grad_init, *grad_xs, *grad_outside_vals)
 
@@ -910,11 +926,8 @@ def scan(
         length = int(first.shape[0])
         xs_l = [leaf for _, leaf in x_named]
 
-    import torch_xla
-
     grad_on = torch.is_grad_enabled()
-    specs = tuple("" if is_replicated_spec(spec) else spec
-                  for spec in torch_xla._XLAC._get_xla_sharding_specs(init_l + xs_l))
+    specs = tuple(_canonical_specs(init_l + xs_l))
     key = (init_spec, x_spec, tuple(_signature(t) for t in init_l), tuple(_signature(t) for t in xs_l),
            specs, tuple(t.requires_grad for t in init_l + xs_l), grad_on, length, reverse, partition_fn)
     plan = _cached_plan(fn, key, lambda: _make_plan(fn, init_spec, x_spec, init_l, xs_l, length, reverse,
@@ -922,6 +935,8 @@ def scan(
     n_c = len(init_l)
     if length == 0:
         carry_l = init_l
+        import torch_xla
+
         device = torch_xla.device()
         ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
     elif plan.grad is not None:
@@ -963,20 +978,89 @@ def _tile_mesh(dims: tuple[int, ...], devices_text: str):
     return xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
 
 
+# Stacking L members with ``concatenate`` and handing the stacked gradient back
+# with L ``slice``s costs one generated kernel per member: each has its own
+# constant offset. With the offsets as runtime operands, the L updates (and the
+# L slices) are one kernel each, which XLA compiles once; so the compile time
+# of stacking stays flat in L. The index scalars are device data, made once.
+_index_tensors: dict[str, list[torch.Tensor]] = {}
+
+
+def _indices(n: int) -> list[torch.Tensor]:
+    """``[0] .. [n-1]`` as int64 ``[1]`` tensors on the XLA device (cached; the host sends each once).
+
+    Shape ``[1]``, not a scalar: torch_xla turns a 0-d 0 or 1 sent to the
+    device into a graph constant, which would fold the offset back in.
+    """
+    import torch_xla
+
+    device = torch_xla.device()
+    have = _index_tensors.setdefault(str(device), [])
+    have.extend(torch.tensor([i], dtype=torch.int64).to(device) for i in range(len(have), n))
+    return have[:n]
+
+
+@functools.lru_cache(maxsize=256)
+def _stack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """``(indices..., members...) -> zeros([n, *shape])`` with ``[indices[k]] = members[k]``."""
+    xb = _xb()
+    b = xb.create_builder("txe_stack")
+    etype = xb.Op.from_torch_type(dtype)
+    indices = [xb.mkparam(b, k, xb.mkshape(xb.Type.S64, (1,))).reshape([]) for k in range(n)]
+    members = [xb.mkparam(b, n + k, xb.mkshape(etype, shape)) for k in range(n)]
+    zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
+    stacked = xb.Op.zero(b, dtype=etype).broadcast([n, *shape])
+    for member, idx in zip(members, indices):
+        stacked = _update_op(stacked, member, idx, zero)
+    return xb.Op.tuple([stacked]).build("txe_stack")
+
+
+@functools.lru_cache(maxsize=256)
+def _unstack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``."""
+    xb = _xb()
+    b = xb.create_builder("txe_unstack")
+    indices = [xb.mkparam(b, k, xb.mkshape(xb.Type.S64, (1,))).reshape([]) for k in range(n)]
+    stacked = xb.mkparam(b, n, xb.mkshape(xb.Op.from_torch_type(dtype), (n, *shape)))
+    zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
+    return xb.Op.tuple([_slice_op(stacked, idx, zero) for idx in indices]).build("txe_unstack")
+
+
+# The index tensors go first: torch_xla annotates the first operand of a user
+# computation as replicated, and that must not be one of the caller's tensors.
+def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(members)``, sharded like ``members[0]`` on the member dims."""
+    import torch_xla
+
+    first = members[0]
+    n = len(members)
+    computation = _stack_computation(n, tuple(first.shape), first.dtype)
+    (stacked,) = torch_xla._XLAC._xla_user_computation("xla::txe_stack", [*_indices(n), *members], computation)
+    _shard_stacked(stacked, first)
+    return stacked
+
+
+def _unstack(stacked: torch.Tensor) -> list[torch.Tensor]:
+    """``list(stacked.unbind(0))``, as new tensors rather than views of ``stacked``."""
+    import torch_xla
+
+    n = stacked.shape[0]
+    computation = _unstack_computation(n, tuple(stacked.shape[1:]), stacked.dtype)
+    return list(torch_xla._XLAC._xla_user_computation("xla::txe_unstack", [*_indices(n), stacked], computation))
+
+
 class _Stack(torch.autograd.Function):
-    """``torch.stack`` whose forward and backward keep each member's sharding."""
+    """Stack along a new leading dim; forward and backward keep each member's sharding."""
 
     @staticmethod
     def forward(ctx, *members: torch.Tensor) -> torch.Tensor:
-        stacked = torch.stack(members)
-        _shard_stacked(stacked, members[0])
-        ctx.refs = [_sharding_ref(t) for t in members]
-        return stacked
+        ctx.shardings = [_sharding_of(t) for t in members]
+        return _stack(members)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grads = list(grad.unbind(0))
-        _shard_like(grads, ctx.refs)
+        grads = _unstack(grad)
+        _apply_shardings(grads, ctx.shardings)
         return tuple(grads)
 
 
@@ -987,12 +1071,10 @@ def _layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
-    import torch_xla
-
     first = layers[0]
     ref = _layer_state(first)
     names = list(ref)
-    ref_specs = torch_xla._XLAC._get_xla_sharding_specs(list(ref.values())) if ref else []
+    ref_specs = _canonical_specs(list(ref.values()))
     for name, t in ref.items():
         if t.device.type != "xla":
             raise TypeError(f"scan_layers: layers[0].{name} is on {t.device}; move the layers to the XLA device")
@@ -1005,7 +1087,7 @@ def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
             missing = sorted(set(names) ^ set(state))
             raise ValueError(f"scan_layers: layers[{i}] has parameters/buffers {list(state)} but layers[0] has "
                              f"{names} (first difference: {missing[0] if missing else 'order'})")
-        specs = torch_xla._XLAC._get_xla_sharding_specs(list(state.values())) if state else []
+        specs = _canonical_specs(list(state.values()))
         for (name, t), spec, ref_spec in zip(state.items(), specs, ref_specs):
             r = ref[name]
             for what, a, b in (("shape", tuple(t.shape), tuple(r.shape)), ("dtype", t.dtype, r.dtype),
