@@ -220,7 +220,11 @@ def _sharding_of(t: torch.Tensor) -> Any:
 
 
 def _canonical_specs(tensors: list[torch.Tensor]) -> list[str]:
-    """Sharding strings with both spellings of "not sharded" (``''`` and ``'{replicated}'``) as ``'{replicated}'``."""
+    """Sharding strings with both spellings of "not sharded" (``''`` and ``'{replicated}'``) as ``'{replicated}'``.
+
+    The spelling changes under the caller: after an execution, or once torch_xla
+    has propagated shardings through a user computation the tensor feeds.
+    """
     import torch_xla
 
     specs = torch_xla._XLAC._get_xla_sharding_specs(tensors) if tensors else []
@@ -753,10 +757,13 @@ def scan_cache_info() -> ScanCacheInfo:
 
 
 def clear_scan_cache() -> None:
-    """Forget every cached plan (and the outside tensors they reference)."""
+    """Forget every cached plan (and the outside tensors they reference) and scan_layers' stacking helpers."""
     with _cache_lock:
         _cache.clear()
         _counters["traces"] = _counters["hits"] = 0
+        _stack_computation.cache_clear()
+        _unstack_computation.cache_clear()
+        _index_tensors.clear()
 
 
 def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
@@ -1026,8 +1033,6 @@ def _unstack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
     return xb.Op.tuple([_slice_op(stacked, idx, zero) for idx in indices]).build("txe_unstack")
 
 
-# The index tensors go first: torch_xla annotates the first operand of a user
-# computation as replicated, and that must not be one of the caller's tensors.
 def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(members)``, sharded like ``members[0]`` on the member dims."""
     import torch_xla
