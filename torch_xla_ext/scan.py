@@ -1007,13 +1007,19 @@ def _indices(n: int) -> list[torch.Tensor]:
     return have[:n]
 
 
+def _index_params(b, n: int) -> list:
+    """Parameters ``0 .. n-1`` of builder ``b``: the ``[1]`` tensors of :func:`_indices`, as scalars."""
+    xb = _xb()
+    return [xb.mkparam(b, k, xb.mkshape(xb.Type.S64, (1,))).reshape([]) for k in range(n)]
+
+
 @functools.lru_cache(maxsize=256)
 def _stack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
     """``(indices..., members...) -> zeros([n, *shape])`` with ``[indices[k]] = members[k]``."""
     xb = _xb()
     b = xb.create_builder("txe_stack")
     etype = xb.Op.from_torch_type(dtype)
-    indices = [xb.mkparam(b, k, xb.mkshape(xb.Type.S64, (1,))).reshape([]) for k in range(n)]
+    indices = _index_params(b, n)
     members = [xb.mkparam(b, n + k, xb.mkshape(etype, shape)) for k in range(n)]
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
     stacked = xb.Op.zero(b, dtype=etype).broadcast([n, *shape])
@@ -1027,7 +1033,7 @@ def _unstack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
     """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``."""
     xb = _xb()
     b = xb.create_builder("txe_unstack")
-    indices = [xb.mkparam(b, k, xb.mkshape(xb.Type.S64, (1,))).reshape([]) for k in range(n)]
+    indices = _index_params(b, n)
     stacked = xb.mkparam(b, n, xb.mkshape(xb.Op.from_torch_type(dtype), (n, *shape)))
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
     return xb.Op.tuple([_slice_op(stacked, idx, zero) for idx in indices]).build("txe_unstack")
