@@ -410,6 +410,22 @@ def test_against_jax_lax_scan(device, reverse):
     np.testing.assert_allclose(ys.cpu().numpy(), np.asarray(jys), atol=1e-5, rtol=1e-5)
 
 
+def test_scan_stores_ys_bit_exactly(device):
+    # Each stored y goes through a multiply by a runtime one (a compile-time
+    # workaround for XLA:CPU); -0.0, inf, nan and integers must come out unchanged.
+    special = torch.tensor([[-0.0, float("inf")], [float("nan"), -float("inf")], [1e-45, -3.5]])
+    ints = torch.tensor([[2**31 - 1, -2**31], [0, -1], [7, 8]], dtype=torch.int32)
+    flags = torch.tensor([[True, False], [False, True], [True, True]])
+
+    def fn(c, x):
+        return c, x
+
+    _, ys = txe.scan(fn, torch.zeros((), device=device),
+                     (special.to(device), ints.to(device), flags.to(device)))
+    assert torch.equal(ys[0].cpu().view(torch.int32), special.view(torch.int32))
+    assert torch.equal(ys[1].cpu(), ints) and torch.equal(ys[2].cpu(), flags)
+
+
 # ---------------------------------------------------------------------- scan_layers
 
 
@@ -463,6 +479,50 @@ def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
         assert spec(layer.up.weight.grad) == spec(layer.up.weight) != ""
         assert spec(layer.down.weight.grad) == spec(layer.down.weight) != ""
     assert spec(out) == spec(x)
+
+
+@pytest.mark.parametrize("shape, tiles, merged", [
+    ((128, 512), (8, 1), ((65536,), (8,))),        # sharded major dim: one contiguous block per device
+    ((128, 512), (1, 8), ((128, 512), (1, 8))),     # sharded minor dim: nothing to merge
+    ((4, 6, 8), (1, 2, 1), ((4, 48), (1, 2))),      # the minor dims merge into the sharded one
+    ((4, 6, 8), (1, 1, 1), ((192,), (1,))),         # unsharded: flat
+    ((), (), ((), ())),
+])
+def test_stacked_members_merge_only_dims_that_keep_blocks_contiguous(shape, tiles, merged):
+    from torch_xla_ext.scan import _merged
+
+    assert _merged(shape, tiles) == merged
+
+
+def test_scan_layers_on_a_2d_mesh_matches_the_plain_loop(device, mesh_4x2):
+    # Weights sharded on both dims, on the minor dim only, partially
+    # replicated, and a sharded bias: each takes another stacked layout.
+    cpu_layers = make_blocks(3, dim=16, hidden=32)
+    layers = make_blocks(3, dim=16, hidden=32).to(device)
+    for layer in layers:
+        xs.mark_sharding(layer.up.weight, mesh_4x2, ("x", "y"))
+        xs.mark_sharding(layer.up.bias, mesh_4x2, ("y",))
+        xs.mark_sharding(layer.down.weight, mesh_4x2, (None, "x"))
+    x_cpu = torch.randn(8, 16)
+    x = x_cpu.to(device)
+    xs.mark_sharding(x, mesh_4x2, ("x", None))
+    torch_xla.sync()
+    with measure_transfers() as m:
+        with txe.no_host_transfers():
+            out = txe.scan_layers(layers, x)
+            out.square().sum().backward()
+            torch_xla.sync()
+    assert not m.device_to_host, m.report()
+    ref = x_cpu
+    for layer in cpu_layers:
+        ref = layer(ref)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach(), atol=1e-4, rtol=1e-4)
+    annotated = {"up.weight", "up.bias", "down.weight"}  # the rest are left to propagation, as in a loop
+    for (name, p), (_, p_ref) in zip(layers.named_parameters(), cpu_layers.named_parameters()):
+        if name.split(".", 1)[1] in annotated:
+            assert spec(p.grad) == spec(p) != "{replicated}", name
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def _stacking_profile(layers, x) -> tuple[int, int, int]:

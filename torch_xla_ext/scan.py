@@ -297,7 +297,22 @@ def _slice_op(op, idx, zero):
     return op.dynamic_slice(start, [1] + sizes[1:]).reshape(sizes[1:])
 
 
+# XLA:CPU emits a dynamic-update-slice fusion as a loop over the whole
+# buffer, and when the update is a plain copy LLVM unrolls that loop
+# completely (a [16, 512] buffer becomes ~350 KB of IR, several times the
+# compile time of the rest of its fusion). Selecting the update under a
+# predicate that is only known at run time (always true) keeps the loop a
+# loop, and unlike arithmetic it keeps every bit (denormals included).
+def _guard(keep, sizes: list[int], etype) -> Callable:
+    """``value -> select(keep, value, 0)`` for values of ``sizes``; ``keep`` is a runtime scalar ``True``."""
+    xb = _xb()
+    keep = keep.broadcast(sizes)
+    zeros = xb.Op.zero(keep.builder(), dtype=etype).broadcast(sizes)
+    return lambda value: keep.select(value, zeros)
+
+
 def _update_op(op, value, idx, zero):
+    """``op[idx] = value`` along dim 0."""
     sizes = list(op.shape().sizes)
     start = [idx] + [zero] * (len(sizes) - 1)
     return op.dynamic_update_slice(value.reshape([1] + sizes[1:]), start)
@@ -306,7 +321,7 @@ def _update_op(op, value, idx, zero):
 def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     """``while i < length: carry, ys[idx] = step(carry, xs[idx])`` as one XLA computation.
 
-    Operands: ``i, *carry, *xs, *ys, *outside, *constants[, seed]``. ``idx`` is
+    Operands: ``i, *carry, *xs, *ys, *outside, *constants[, seed], keep``. ``idx`` is
     ``i`` or ``length - 1 - i``; the step's RNG seed becomes ``seed + idx``.
     """
     xb = _xb()
@@ -347,6 +362,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     shapes += [xb.tensor_shape(t) for t in constants]
     if seed_id >= 0:
         shapes.append(xb.mkshape(xb.Type.S64, ()))
+    shapes.append(xb.mkshape(xb.Type.PRED, (1,)))
     operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
@@ -369,10 +385,15 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         for pid, op in zip(constant_ids, invariant[n_o:n_o + n_k]):
             args[pid] = op
         if seed_id >= 0:
-            args[seed_id] = invariant[-1] + idx
+            args[seed_id] = invariant[-2] + idx
+        keep = invariant[-1].reshape([])
         result = xb.Op.call(body, args)
         new_carry = [result.get_tuple_element(k) for k in range(n_c)]
-        new_ys = [_update_op(ys[k], result.get_tuple_element(n_c + k), idx, zero) for k in range(n_y)]
+        new_ys = []
+        for k in range(n_y):
+            y = result.get_tuple_element(n_c + k)
+            y = _guard(keep, list(y.shape().sizes), y.shape().dtype)(y)
+            new_ys.append(_update_op(ys[k], y, idx, zero))
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
         return xb.Op.tuple([i + one] + new_carry + xs + new_ys + invariant)
 
@@ -404,6 +425,7 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         # (8 bytes host->device; nothing moves device->host.)
         base = torch.randint(0, 2**62, (), dtype=torch.int64)
         operands.append(base.to(device))
+    operands.append(_keep())
     out = torch_xla._XLAC._xla_user_computation("xla::txe_scan", operands, loop.computation)
     n_c, n_x = loop.num_carry, loop.num_xs
     return list(out[1:1 + n_c]), list(out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_shapes)])
@@ -764,6 +786,7 @@ def clear_scan_cache() -> None:
         _stack_computation.cache_clear()
         _unstack_computation.cache_clear()
         _index_tensors.clear()
+        _keep_tensors.clear()
 
 
 def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
@@ -964,16 +987,66 @@ def scan(
 
 
 
-def _shard_stacked(stacked: torch.Tensor, member: torch.Tensor) -> None:
-    """Shard ``stacked`` (a new leading layer dim) like ``member`` on the other dims."""
-    import torch_xla
-    import torch_xla.distributed.spmd as xs
+def _tiling(member: torch.Tensor) -> tuple[tuple[int, ...], str, bool] | None:
+    """``member``'s tiled sharding (see :func:`parse_tiled_spec`); ``((1,) * dim, "", False)`` if unsharded.
 
-    tiled = parse_tiled_spec(torch_xla._XLAC._get_xla_sharding_spec(member))
-    if tiled is None or not re.fullmatch(r"[\d,]+", tiled[1]):
-        return  # replicated, or a form (iota) only propagation should decide
-    mesh = _tile_mesh(tiled[0], tiled[1])
-    xs.mark_sharding(stacked, mesh, (None, *mesh.axis_names[:member.dim()]))
+    None for a sharding that is neither tiled nor replicated (e.g. manual).
+    """
+    import torch_xla
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec(member)
+    if is_replicated_spec(spec):
+        return (1,) * member.dim(), "", False
+    return parse_tiled_spec(spec)
+
+
+def _merged(shape: tuple[int, ...], tiles: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``shape`` with each unsharded dim merged into the dim before it, and the tiles of the result.
+
+    ``(128, 512)`` tiled ``(8, 1)`` gives ``(65536,)`` tiled ``(8,)``: each
+    device's block is still one contiguous piece, so the reshape moves no data
+    between devices. ``(128, 512)`` tiled ``(1, 8)`` stays as it is.
+    """
+    dims: list[int] = []
+    kept: list[int] = []
+    for i, (size, tile) in enumerate(zip(shape, tiles)):
+        if i == 0 or tile > 1:
+            dims.append(size)
+            kept.append(tile)
+        else:
+            dims[-1] *= size
+    return tuple(dims), tuple(kept)
+
+
+def _stacked_layout(member: torch.Tensor) -> tuple[tuple[int, ...], Callable[[torch.Tensor], None]]:
+    """The shape each member has inside the stacked tensor, and how to shard the stacked tensor.
+
+    Members are stacked with unsharded dims merged (:func:`_merged`). XLA:CPU
+    emits a copy of a small multi-dim block as a nest of constant-trip loops
+    that LLVM unrolls completely (a ``[16, 512]`` block is ~2000 vector
+    instructions per kernel); a 1-D block stays a loop. The stacking, the
+    scan's reads of each layer and its writes of each layer's gradient copy
+    the merged blocks; only handing the gradients back writes blocks of the
+    member's own shape.
+    """
+    shape = tuple(member.shape)
+    tiling = _tiling(member)
+    if tiling is None:
+        return shape, lambda stacked: None
+    tiles, devices_text, _ = tiling
+    flat, flat_tiles = _merged(shape, tiles[:len(shape)])
+
+    def shard(stacked: torch.Tensor) -> None:
+        # An unsharded member or a device list in a form (iota) only
+        # propagation should decide leaves the stacked tensor unannotated.
+        if not devices_text or not re.fullmatch(r"[\d,]+", devices_text):
+            return
+        import torch_xla.distributed.spmd as xs
+
+        mesh = _tile_mesh(flat_tiles + tiles[len(shape):], devices_text)
+        xs.mark_sharding(stacked, mesh, (None, *mesh.axis_names[:len(flat)]))
+
+    return flat, shard
 
 
 @functools.lru_cache(maxsize=256)
@@ -991,6 +1064,7 @@ def _tile_mesh(dims: tuple[int, ...], devices_text: str):
 # L slices) are one kernel each, which XLA compiles once; so the compile time
 # of stacking stays flat in L. The index scalars are device data, made once.
 _index_tensors: dict[str, list[torch.Tensor]] = {}
+_keep_tensors: dict[str, torch.Tensor] = {}
 
 
 def _indices(n: int) -> list[torch.Tensor]:
@@ -1007,6 +1081,16 @@ def _indices(n: int) -> list[torch.Tensor]:
     return have[:n]
 
 
+def _keep() -> torch.Tensor:
+    """A bool ``[True]`` on the XLA device (cached): the runtime predicate of :func:`_guard`."""
+    import torch_xla
+
+    device = str(torch_xla.device())
+    if device not in _keep_tensors:
+        _keep_tensors[device] = torch.ones(1, dtype=torch.bool).to(device)
+    return _keep_tensors[device]
+
+
 def _index_params(b, n: int) -> list:
     """Parameters ``0 .. n-1`` of builder ``b``: the ``[1]`` tensors of :func:`_indices`, as scalars."""
     xb = _xb()
@@ -1014,49 +1098,54 @@ def _index_params(b, n: int) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _stack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., members...) -> zeros([n, *shape])`` with ``[indices[k]] = members[k]``."""
+def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
+    """``(indices..., members..., keep) -> zeros([n, *flat])`` with ``[indices[k]] = members[k]`` (reshaped to ``flat``)."""
     xb = _xb()
     b = xb.create_builder("txe_stack")
     etype = xb.Op.from_torch_type(dtype)
     indices = _index_params(b, n)
     members = [xb.mkparam(b, n + k, xb.mkshape(etype, shape)) for k in range(n)]
+    keep = xb.mkparam(b, 2 * n, xb.mkshape(xb.Type.PRED, (1,))).reshape([])
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
-    stacked = xb.Op.zero(b, dtype=etype).broadcast([n, *shape])
+    stacked = xb.Op.zero(b, dtype=etype).broadcast([n, *flat])
+    guard = _guard(keep, list(shape), etype)
     for member, idx in zip(members, indices):
-        stacked = _update_op(stacked, member, idx, zero)
+        stacked = _update_op(stacked, guard(member), idx, zero)
     return xb.Op.tuple([stacked]).build("txe_stack")
 
 
 @functools.lru_cache(maxsize=256)
-def _unstack_computation(n: int, shape: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``."""
+def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
+    """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each reshaped to ``shape``."""
     xb = _xb()
     b = xb.create_builder("txe_unstack")
     indices = _index_params(b, n)
-    stacked = xb.mkparam(b, n, xb.mkshape(xb.Op.from_torch_type(dtype), (n, *shape)))
+    stacked = xb.mkparam(b, n, xb.mkshape(xb.Op.from_torch_type(dtype), (n, *flat)))
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
-    return xb.Op.tuple([_slice_op(stacked, idx, zero) for idx in indices]).build("txe_unstack")
+    members = [_slice_op(stacked, idx, zero).reshape(list(shape)) for idx in indices]
+    return xb.Op.tuple(members).build("txe_unstack")
 
 
 def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(members)``, sharded like ``members[0]`` on the member dims."""
+    """``torch.stack(members)`` with each member reshaped as :func:`_stacked_layout` says, and sharded like it."""
     import torch_xla
 
     first = members[0]
     n = len(members)
-    computation = _stack_computation(n, tuple(first.shape), first.dtype)
-    (stacked,) = torch_xla._XLAC._xla_user_computation("xla::txe_stack", [*_indices(n), *members], computation)
-    _shard_stacked(stacked, first)
+    flat, shard = _stacked_layout(first)
+    computation = _stack_computation(n, tuple(first.shape), flat, first.dtype)
+    (stacked,) = torch_xla._XLAC._xla_user_computation(
+        "xla::txe_stack", [*_indices(n), *members, _keep()], computation)
+    shard(stacked)
     return stacked
 
 
-def _unstack(stacked: torch.Tensor) -> list[torch.Tensor]:
-    """``list(stacked.unbind(0))``, as new tensors rather than views of ``stacked``."""
+def _unstack(stacked: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """The members of ``stacked`` (see :func:`_stack`) in ``shape``, as new tensors rather than views."""
     import torch_xla
 
     n = stacked.shape[0]
-    computation = _unstack_computation(n, tuple(stacked.shape[1:]), stacked.dtype)
+    computation = _unstack_computation(n, shape, tuple(stacked.shape[1:]), stacked.dtype)
     return list(torch_xla._XLAC._xla_user_computation("xla::txe_unstack", [*_indices(n), stacked], computation))
 
 
@@ -1066,11 +1155,12 @@ class _Stack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *members: torch.Tensor) -> torch.Tensor:
         ctx.shardings = [_sharding_of(t) for t in members]
+        ctx.shape = tuple(members[0].shape)
         return _stack(members)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grads = _unstack(grad)
+        grads = _unstack(grad, ctx.shape)
         _apply_shardings(grads, ctx.shardings)
         return tuple(grads)
 
@@ -1113,13 +1203,14 @@ def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
 _layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _layer_step(template: torch.nn.Module, names: list[str]) -> Callable:
+def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[int, ...]]) -> Callable:
     """One step function per template layer, so repeated calls hit scan's cache.
 
-    The step holds the template weakly: the cache is keyed by the template and
-    must not keep it alive.
+    The stacked members may be reshaped (:func:`_stacked_layout`); the step
+    gives each slice its parameter's shape back. It holds the template
+    weakly: the cache is keyed by the template and must not keep it alive.
     """
-    key = tuple(names)
+    key = (tuple(names), tuple(shapes))
     steps = _layer_steps.setdefault(template, {})
     if key not in steps:
         from torch.func import functional_call
@@ -1127,7 +1218,8 @@ def _layer_step(template: torch.nn.Module, names: list[str]) -> Callable:
         template_ref = weakref.ref(template)
 
         def step(h, state):
-            return functional_call(template_ref(), dict(zip(names, state)), (h,)), None
+            params = {name: t.reshape(shape) for name, shape, t in zip(names, shapes, state)}
+            return functional_call(template_ref(), params, (h,)), None
 
         steps[key] = step
     return steps[key]
@@ -1146,7 +1238,7 @@ def scan_layers(
     shapes, dtypes, shardings and ``requires_grad`` flags; the first
     difference is reported. Their parameters are stacked along a new leading
     dimension (sharded like each layer's own parameter on the other
-    dimensions) and ``layers[0]`` is called with each slice through
+    dimensions, which may be merged where that moves no data between devices) and ``layers[0]`` is called with each slice through
     ``torch.func.functional_call``. Gradients land on each layer's own
     parameters, sharded like them. Nothing moves to the host.
 
@@ -1175,6 +1267,6 @@ def scan_layers(
         else:
             with torch.no_grad():
                 stacked.append(_Stack.apply(*members))
-    step = _layer_step(layers[0], names)
+    step = _layer_step(layers[0], names, [tuple(states[0][name].shape) for name in names])
     out, _ = scan(step, x, stacked, partition_fn=partition_fn, is_fn_pure=is_layer_pure)
     return out
