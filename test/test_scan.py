@@ -486,6 +486,7 @@ def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
     ((128, 512), (1, 8), ((128, 512), (1, 8))),     # sharded minor dim: nothing to merge
     ((4, 6, 8), (1, 2, 1), ((4, 48), (1, 2))),      # the minor dims merge into the sharded one
     ((4, 6, 8), (1, 1, 1), ((192,), (1,))),         # unsharded: flat
+    ((10, 512), (8, 1), ((10, 512), (8, 1))),       # uneven: padded blocks would not line up
     ((), (), ((), ())),
 ])
 def test_stacked_members_merge_only_dims_that_keep_blocks_contiguous(shape, tiles, merged):

@@ -1005,16 +1005,19 @@ def _merged(shape: tuple[int, ...], tiles: tuple[int, ...]) -> tuple[tuple[int, 
 
     ``(128, 512)`` tiled ``(8, 1)`` gives ``(65536,)`` tiled ``(8,)``: each
     device's block is still one contiguous piece, so the reshape moves no data
-    between devices. ``(128, 512)`` tiled ``(1, 8)`` stays as it is.
+    between devices. ``(128, 512)`` tiled ``(1, 8)`` stays as it is, and so
+    does ``(10, 512)`` tiled ``(8, 1)`` (uneven, padded blocks).
     """
     dims: list[int] = []
     kept: list[int] = []
-    for i, (size, tile) in enumerate(zip(shape, tiles)):
-        if i == 0 or tile > 1:
+    for size, tile in zip(shape, tiles):
+        # A dim sharded unevenly is padded per device: its blocks would not
+        # line up with the merged dim's, so nothing merges into it.
+        if dims and tile == 1 and dims[-1] % kept[-1] == 0:
+            dims[-1] *= size
+        else:
             dims.append(size)
             kept.append(tile)
-        else:
-            dims[-1] *= size
     return tuple(dims), tuple(kept)
 
 
