@@ -1102,7 +1102,10 @@ def _index_params(b, n: int) -> list:
 
 @functools.lru_cache(maxsize=256)
 def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., members..., keep) -> zeros([n, *flat])`` with ``[indices[k]] = members[k]`` (reshaped to ``flat``)."""
+    """``(indices..., members..., keep) -> zeros([n, *flat])`` with ``[indices[k]] = members[k]``.
+
+    Each member is reshaped to ``flat`` (see :func:`_stacked_layout`).
+    """
     xb = _xb()
     b = xb.create_builder("txe_stack")
     etype = xb.Op.from_torch_type(dtype)
@@ -1241,7 +1244,8 @@ def scan_layers(
     shapes, dtypes, shardings and ``requires_grad`` flags; the first
     difference is reported. Their parameters are stacked along a new leading
     dimension (sharded like each layer's own parameter on the other
-    dimensions, which may be merged where that moves no data between devices) and ``layers[0]`` is called with each slice through
+    dimensions, which may be merged where that moves no data between
+    devices) and ``layers[0]`` is called with each slice through
     ``torch.func.functional_call``. Gradients land on each layer's own
     parameters, sharded like them. Nothing moves to the host.
 
