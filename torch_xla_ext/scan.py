@@ -291,29 +291,46 @@ class _Loop(NamedTuple):
     uses_seed: bool
 
 
+def _sizes(op) -> list[int]:
+    return list(op.shape().sizes)
+
+
 def _slice_op(op, idx, zero):
-    sizes = list(op.shape().sizes)
+    sizes = _sizes(op)
     start = [idx] + [zero] * (len(sizes) - 1)
     return op.dynamic_slice(start, [1] + sizes[1:]).reshape(sizes[1:])
 
 
-# XLA:CPU emits a dynamic-update-slice fusion as a loop over the whole
-# buffer, and when the update is a plain copy LLVM unrolls that loop
-# completely (a [16, 512] buffer becomes ~350 KB of IR, several times the
-# compile time of the rest of its fusion). Selecting the update under a
-# predicate that is only known at run time (always true) keeps the loop a
-# loop, and unlike arithmetic it keeps every bit (denormals included).
-def _guard(keep, sizes: list[int], etype) -> Callable:
-    """``value -> select(keep, value, 0)`` for values of ``sizes``; ``keep`` is a runtime scalar ``True``."""
+# XLA:CPU emits each fusion as loops over its output's per-device shape (a
+# dynamic-update-slice fusion over the whole buffer), and LLVM unrolls a plain
+# copy loop over a small block completely: a [16, 512] block becomes ~350 KB
+# of IR that compiles slower than the rest of its fusion together. A select
+# whose predicate varies by row and is unknown until run time,
+# ``iota(rows) < bound`` with ``bound`` an operand that always exceeds the row
+# count, keeps such loops loops; unlike arithmetic it keeps every bit. Every
+# slice a loop reads and every value it stores goes through it, and so does
+# every member scan_layers stacks or hands back.
+_BOUND = 2**31 - 1
+
+
+def _guard(bound, sizes: list[int], etype) -> Callable:
+    """``value -> select(iota(rows) < bound, value, 0)`` for values of ``sizes`` (identity for scalars).
+
+    ``bound`` is the S32 scalar :data:`_BOUND`, passed in at run time (see :func:`_bound`).
+    """
+    if not sizes or sizes[0] > _BOUND:  # an S32 iota could not count the rows
+        return lambda value: value
     xb = _xb()
-    keep = keep.broadcast(sizes)
-    zeros = xb.Op.zero(keep.builder(), dtype=etype).broadcast(sizes)
+    b = bound.builder()
+    rows = xb.Op.iota(b, xb.mkshape(xb.Type.S32, tuple(sizes)), 0)
+    keep = rows < bound.broadcast(sizes)
+    zeros = xb.Op.zero(b, dtype=etype).broadcast(sizes)
     return lambda value: keep.select(value, zeros)
 
 
 def _update_op(op, value, idx, zero):
     """``op[idx] = value`` along dim 0."""
-    sizes = list(op.shape().sizes)
+    sizes = _sizes(op)
     start = [idx] + [zero] * (len(sizes) - 1)
     return op.dynamic_update_slice(value.reshape([1] + sizes[1:]), start)
 
@@ -321,7 +338,7 @@ def _update_op(op, value, idx, zero):
 def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     """``while i < length: carry, ys[idx] = step(carry, xs[idx])`` as one XLA computation.
 
-    Operands: ``i, *carry, *xs, *ys, *outside, *constants[, seed], keep``. ``idx`` is
+    Operands: ``i, *carry, *xs, *ys, *outside, *constants[, seed], bound``. ``idx`` is
     ``i`` or ``length - 1 - i``; the step's RNG seed becomes ``seed + idx``.
     """
     xb = _xb()
@@ -362,7 +379,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     shapes += [xb.tensor_shape(t) for t in constants]
     if seed_id >= 0:
         shapes.append(xb.mkshape(xb.Type.S64, ()))
-    shapes.append(xb.mkshape(xb.Type.PRED, (1,)))
+    shapes.append(xb.mkshape(xb.Type.S32, (1,)))
     operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
@@ -379,20 +396,21 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
         idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S64) - i if reverse else i
         args: list[Any] = [None] * num_params
-        for pid, op in zip(ids, carry + [_slice_op(x, idx, zero) for x in xs] + invariant[:n_o]):
+        bound = invariant[-1].reshape([])
+        slices = [_guard(bound, _sizes(x)[1:], x.shape().dtype)(_slice_op(x, idx, zero)) for x in xs]
+        for pid, op in zip(ids, carry + slices + invariant[:n_o]):
             if pid >= 0:
                 args[pid] = op
         for pid, op in zip(constant_ids, invariant[n_o:n_o + n_k]):
             args[pid] = op
         if seed_id >= 0:
             args[seed_id] = invariant[-2] + idx
-        keep = invariant[-1].reshape([])
         result = xb.Op.call(body, args)
         new_carry = [result.get_tuple_element(k) for k in range(n_c)]
         new_ys = []
         for k in range(n_y):
             y = result.get_tuple_element(n_c + k)
-            y = _guard(keep, list(y.shape().sizes), y.shape().dtype)(y)
+            y = _guard(bound, _sizes(y), y.shape().dtype)(y)
             new_ys.append(_update_op(ys[k], y, idx, zero))
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
         return xb.Op.tuple([i + one] + new_carry + xs + new_ys + invariant)
@@ -425,7 +443,7 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         # (8 bytes host->device; nothing moves device->host.)
         base = torch.randint(0, 2**62, (), dtype=torch.int64)
         operands.append(base.to(device))
-    operands.append(_keep())
+    operands.append(_bound())
     out = torch_xla._XLAC._xla_user_computation("xla::txe_scan", operands, loop.computation)
     n_c, n_x = loop.num_carry, loop.num_xs
     return list(out[1:1 + n_c]), list(out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_shapes)])
@@ -786,7 +804,7 @@ def clear_scan_cache() -> None:
         _stack_computation.cache_clear()
         _unstack_computation.cache_clear()
         _index_tensors.clear()
-        _keep_tensors.clear()
+        _bound_tensors.clear()
 
 
 def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
@@ -1067,7 +1085,7 @@ def _tile_mesh(dims: tuple[int, ...], devices_text: str):
 # L slices) are one kernel each, which XLA compiles once; so the compile time
 # of stacking stays flat in L. The index scalars are device data, made once.
 _index_tensors: dict[str, list[torch.Tensor]] = {}
-_keep_tensors: dict[str, torch.Tensor] = {}
+_bound_tensors: dict[str, torch.Tensor] = {}
 
 
 def _indices(n: int) -> list[torch.Tensor]:
@@ -1084,14 +1102,14 @@ def _indices(n: int) -> list[torch.Tensor]:
     return have[:n]
 
 
-def _keep() -> torch.Tensor:
-    """A bool ``[True]`` on the XLA device (cached): the runtime predicate of :func:`_guard`."""
+def _bound() -> torch.Tensor:
+    """An int32 ``[_BOUND]`` on the XLA device (cached): the runtime bound of :func:`_guard`."""
     import torch_xla
 
     device = str(torch_xla.device())
-    if device not in _keep_tensors:
-        _keep_tensors[device] = torch.ones(1, dtype=torch.bool).to(device)
-    return _keep_tensors[device]
+    if device not in _bound_tensors:
+        _bound_tensors[device] = torch.tensor([_BOUND], dtype=torch.int32).to(device)
+    return _bound_tensors[device]
 
 
 def _index_params(b, n: int) -> list:
@@ -1102,7 +1120,7 @@ def _index_params(b, n: int) -> list:
 
 @functools.lru_cache(maxsize=256)
 def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., members..., keep) -> zeros([n, *flat])`` with ``[indices[k]] = members[k]``.
+    """``(indices..., members..., bound) -> zeros([n, *flat])`` with ``[indices[k]] = members[k]``.
 
     Each member is reshaped to ``flat`` (see :func:`_stacked_layout`).
     """
@@ -1111,10 +1129,10 @@ def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dt
     etype = xb.Op.from_torch_type(dtype)
     indices = _index_params(b, n)
     members = [xb.mkparam(b, n + k, xb.mkshape(etype, shape)) for k in range(n)]
-    keep = xb.mkparam(b, 2 * n, xb.mkshape(xb.Type.PRED, (1,))).reshape([])
+    bound = xb.mkparam(b, 2 * n, xb.mkshape(xb.Type.S32, (1,))).reshape([])
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
     stacked = xb.Op.zero(b, dtype=etype).broadcast([n, *flat])
-    guard = _guard(keep, list(shape), etype)
+    guard = _guard(bound, list(shape), etype)
     for member, idx in zip(members, indices):
         stacked = _update_op(stacked, guard(member), idx, zero)
     return xb.Op.tuple([stacked]).build("txe_stack")
@@ -1122,13 +1140,16 @@ def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dt
 
 @functools.lru_cache(maxsize=256)
 def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each reshaped to ``shape``."""
+    """``(indices..., stacked, bound) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each in ``shape``."""
     xb = _xb()
     b = xb.create_builder("txe_unstack")
+    etype = xb.Op.from_torch_type(dtype)
     indices = _index_params(b, n)
-    stacked = xb.mkparam(b, n, xb.mkshape(xb.Op.from_torch_type(dtype), (n, *flat)))
+    stacked = xb.mkparam(b, n, xb.mkshape(etype, (n, *flat)))
+    bound = xb.mkparam(b, n + 1, xb.mkshape(xb.Type.S32, (1,))).reshape([])
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
-    members = [_slice_op(stacked, idx, zero).reshape(list(shape)) for idx in indices]
+    guard = _guard(bound, list(shape), etype)
+    members = [guard(_slice_op(stacked, idx, zero).reshape(list(shape))) for idx in indices]
     return xb.Op.tuple(members).build("txe_unstack")
 
 
@@ -1141,7 +1162,7 @@ def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
     flat, shard = _stacked_layout(first)
     computation = _stack_computation(n, tuple(first.shape), flat, first.dtype)
     (stacked,) = torch_xla._XLAC._xla_user_computation(
-        "xla::txe_stack", [*_indices(n), *members, _keep()], computation)
+        "xla::txe_stack", [*_indices(n), *members, _bound()], computation)
     shard(stacked)
     return stacked
 
@@ -1152,7 +1173,8 @@ def _unstack(stacked: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor
 
     n = stacked.shape[0]
     computation = _unstack_computation(n, shape, tuple(stacked.shape[1:]), stacked.dtype)
-    return list(torch_xla._XLAC._xla_user_computation("xla::txe_unstack", [*_indices(n), stacked], computation))
+    operands = [*_indices(n), stacked, _bound()]
+    return list(torch_xla._XLAC._xla_user_computation("xla::txe_unstack", operands, computation))
 
 
 class _Stack(torch.autograd.Function):
