@@ -188,6 +188,32 @@ def test_gradient_only_to_closure(device):
     torch.testing.assert_close(w.grad.cpu(), w_ref.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("partition", [None, min_cut_rematerialization_partition], ids=["save", "mincut"])
+def test_backward_rereads_views_of_xs_instead_of_stacking_them(device, partition):
+    from torch_xla_ext.scan import _GradPlan
+
+    def fn(c, w):  # c @ w.t() saves a transposed view of the x slice w for the backward
+        return c * 2, c @ w.t()
+
+    cpu = {"h": torch.randn(4, 8), "w": torch.randn(3, 6, 8)}
+    t = {k: v.to(device).requires_grad_() for k, v in cpu.items()}
+    _, ys = txe.scan(fn, t["h"], t["w"], partition_fn=partition)
+    (ys * ys).sum().backward()
+    ref = {k: v.clone().requires_grad_() for k, v in cpu.items()}
+    _, ys_ref = python_scan(fn, ref["h"], ref["w"])
+    (ys_ref * ys_ref).sum().backward()
+    torch.testing.assert_close(ys.cpu(), ys_ref.detach(), atol=1e-4, rtol=1e-4)
+    for k in cpu:
+        torch.testing.assert_close(t[k].grad.cpu(), ref[k].grad, atol=1e-3, rtol=1e-4)
+
+    f32 = torch.float32
+    plan = _GradPlan(lambda c, x: tuple([v] for v in fn(c[0], x[0])), [((4, 8), f32)], [((6, 8), f32)], [True],
+                     [], length=3, reverse=False, partition_fn=partition)
+    assert ("x", 0) in [src[1] for src in plan.saved_src if src[0] == "recompute"]
+    stacked = [shape for shape, _ in plan.saved_sig]
+    assert stacked and all(sorted(shape) == [4, 8] for shape in stacked), stacked  # only the carry c
+
+
 def test_no_grad_mode_builds_no_backward(device):
     w = torch.randn(3, 3).to(device).requires_grad_()
     with torch.no_grad():

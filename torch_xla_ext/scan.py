@@ -502,7 +502,7 @@ def _input_source(node, placeholders: list, n_c: int, n_x: int) -> tuple[str, in
     return None
 
 
-# Single-input ops a recomputed annotation may be wrapped in: casts and views.
+# Single-input ops that are free to recompute in the backward: casts and views.
 _PASSTHROUGH = {
     torch.ops.aten._to_copy.default,
     torch.ops.prims.convert_element_type.default,
@@ -520,11 +520,13 @@ _PASSTHROUGH = {
 }
 
 
-def _recompute_chain(node, placeholders: list):
-    """``(input node, [ops])`` when ``node`` is cheap to recompute in the backward.
+def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
+    """``(input node, [ops], marked)`` when ``node`` is cheap to recompute in the backward.
 
-    That is: a chain of casts and views over a sharding annotation marked
-    ``recompute_in_backward`` (FSDP's gather), applied to a graph input.
+    That is: casts and views applied to a graph input, possibly around a
+    sharding annotation; ``marked`` when one is marked ``recompute_in_backward``
+    (FSDP's gather). A transposed weight that a matmul saved is such a chain:
+    reading the weight slice again is free, stacking it would copy every layer.
     """
     from ._annotate import ANNOTATE_OP
 
@@ -534,19 +536,20 @@ def _recompute_chain(node, placeholders: list):
     while base not in placeholders:
         target = getattr(base, "target", None)
         if target is ANNOTATE_OP:
-            marked = marked or bool(base.args[3])
+            if not base.args[3]:
+                return None
+            marked = True
         elif target not in _PASSTHROUGH:
             return None
         ops.append(base)
         base = base.args[0]
-    if not marked:
-        return None
-    return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)]
+    return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)], marked
 
 
-def _replay(value: torch.Tensor, ops: list) -> torch.Tensor:
-    """Recompute a saved value from its input, behind an optimization barrier."""
-    value = behind_barrier(value)
+def _replay(value: torch.Tensor, ops: list, barrier: bool) -> torch.Tensor:
+    """Recompute a saved value from its input; behind an optimization barrier if ``barrier``."""
+    if barrier:
+        value = behind_barrier(value)
     for target, args, kwargs in ops:
         value = target(value, *args, **kwargs)
     return value
@@ -617,19 +620,19 @@ class _GradPlan:
         saved_nodes = out_nodes[len(outs):]
         # Where each saved activation comes from: ("stacked", k) -- stacked by the
         # forward loop; ("x", j) / ("outside", k) -- an input, read again by the
-        # backward loop; ("recompute", (kind, index), chain) -- a sharding
-        # annotation marked recompute_in_backward applied (through casts) to an
-        # input, replayed by the backward loop behind an optimization barrier.
+        # backward loop; ("recompute", (kind, index), ops, marked) -- casts and
+        # views of an x or outside input, replayed by the backward loop (behind
+        # an optimization barrier when they gather: see _recompute_chain).
         self.saved_src: list[tuple] = []
         stacked = 0
         for node in saved_nodes:
             source = _input_source(node, placeholders, n_c, n_x)
             chain = _recompute_chain(node, placeholders) if source is None else None
+            base = _input_source(chain[0], placeholders, n_c, n_x) if chain is not None else None
             if source is not None:
                 self.saved_src.append(source)
-            elif chain is not None:
-                base, ops = chain
-                self.saved_src.append(("recompute", _input_source(base, placeholders, n_c, n_x), ops))
+            elif base is not None:
+                self.saved_src.append(("recompute", base, *chain[1:]))
             else:
                 self.saved_src.append(("stacked", stacked))
                 stacked += 1
@@ -673,7 +676,7 @@ class _GradPlan:
         saved = []
         for src in self.saved_src:
             if src[0] == "recompute":
-                saved.append(_replay(read(*src[1]), src[2]))
+                saved.append(_replay(read(*src[1]), src[2], barrier=src[3]))
             else:
                 saved.append(read(src[0], src[1]))
         tangents = [g[i] for i in range(n_c) if self.tangent_mask[i]]
