@@ -309,7 +309,7 @@ def _slice_op(op, idx, zero):
 # ``iota(rows) < bound`` with ``bound`` an operand that always exceeds the row
 # count, keeps such loops loops; unlike arithmetic it keeps every bit. Every
 # slice a loop reads and every value it stores goes through it, and so does
-# every member scan_layers stacks or hands back.
+# every gradient scan_layers hands back to a layer.
 _BOUND = 2**31 - 1
 
 
@@ -1082,11 +1082,13 @@ def _tile_mesh(dims: tuple[int, ...], devices_text: str):
     return xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
 
 
-# Stacking L members with ``concatenate`` and handing the stacked gradient back
-# with L ``slice``s costs one generated kernel per member: each has its own
-# constant offset. With the offsets as runtime operands, the L updates (and the
-# L slices) are one kernel each, which XLA compiles once; so the compile time
-# of stacking stays flat in L. The index scalars are device data, made once.
+# Handing the stacked gradient back with L constant-offset ``slice``s costs one
+# generated kernel per layer. With the offsets as runtime operands the L
+# dynamic slices are one kernel, compiled once, so the compile time stays flat
+# in L; the index scalars are device data, made once. Stacking needs no
+# offsets: one ``concatenate`` per member is one kernel whatever L is, and
+# unlike L dynamic-update-slices (each a pass over the whole buffer on XLA:CPU)
+# it writes every element once.
 _index_tensors: dict[str, list[torch.Tensor]] = {}
 _bound_tensors: dict[str, torch.Tensor] = {}
 
@@ -1123,21 +1125,15 @@ def _index_params(b, n: int) -> list:
 
 @functools.lru_cache(maxsize=256)
 def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., members..., bound) -> zeros([n, *flat])`` with ``[indices[k]] = members[k]``.
+    """``(members...) -> concatenate([m.reshape([1, *flat]) for m in members])``.
 
-    Each member is reshaped to ``flat`` (see :func:`_stacked_layout`).
+    ``flat`` is the member's stacked layout (see :func:`_stacked_layout`).
     """
     xb = _xb()
     b = xb.create_builder("txe_stack")
     etype = xb.Op.from_torch_type(dtype)
-    indices = _index_params(b, n)
-    members = [xb.mkparam(b, n + k, xb.mkshape(etype, shape)) for k in range(n)]
-    bound = xb.mkparam(b, 2 * n, xb.mkshape(xb.Type.S32, (1,))).reshape([])
-    zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
-    stacked = xb.Op.zero(b, dtype=etype).broadcast([n, *flat])
-    guard = _guard(bound, list(shape), etype)
-    for member, idx in zip(members, indices):
-        stacked = _update_op(stacked, guard(member), idx, zero)
+    members = [xb.mkparam(b, k, xb.mkshape(etype, shape)) for k in range(n)]
+    stacked = xb.Op.concat_in_dim([m.reshape([1, *flat]) for m in members], 0, builder=b)
     return xb.Op.tuple([stacked]).build("txe_stack")
 
 
@@ -1164,8 +1160,7 @@ def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
     n = len(members)
     flat, shard = _stacked_layout(first)
     computation = _stack_computation(n, tuple(first.shape), flat, first.dtype)
-    (stacked,) = torch_xla._XLAC._xla_user_computation(
-        "xla::txe_stack", [*_indices(n), *members, _bound()], computation)
+    (stacked,) = torch_xla._XLAC._xla_user_computation("xla::txe_stack", list(members), computation)
     shard(stacked)
     return stacked
 
