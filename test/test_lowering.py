@@ -13,8 +13,12 @@ import torch_xla.distributed.spmd as xs
 import torch_xla_ext as txe
 from torch_xla_ext.lowering import DEVICE_MAPPING_ENV
 from torch_xla_ext.testing import measure_transfers
+from torch_xla_ext.testing.tolerances import tolerance
 
 X = torch_xla._XLAC
+
+
+EXACT = {"atol": 0.0, "rtol": 0.0}  # the same device buffer read back: no arithmetic, no rounding
 
 
 def spec(t: torch.Tensor) -> str:
@@ -22,11 +26,18 @@ def spec(t: torch.Tensor) -> str:
 
 
 @pytest.fixture
-def two_sharded(device, mesh_4x2):
+def gen() -> torch.Generator:
+    """A seeded host generator per test; the XLA device's RNG is seeded too."""
+    torch_xla.manual_seed(1234)
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def two_sharded(device, mesh_4x2, gen):
     """The sharded two-tensor case: a[32, 2048] on ('x', 'y'), b[2048] on ('x',)."""
-    a = torch.randn(32, 2048).to(device)
+    a = torch.randn(32, 2048, generator=gen).to(device)
     xs.mark_sharding(a, mesh_4x2, ("x", "y"))
-    b = torch.randn(2048).to(device)
+    b = torch.randn(2048, generator=gen).to(device)
     xs.mark_sharding(b, mesh_4x2, ("x",))
     torch_xla.sync()
     return a, b
@@ -57,8 +68,8 @@ def test_sharded_two_tensor_case_moves_nothing(two_sharded, impl):
     assert X._get_tensors_handle([mapping[ia], mapping[ib]]) == X._get_tensors_handle([a, b])
     # and the same values as the (slow) host mapping, compared outside the measured block
     host = ctx.parameter_id_tensor_mapping()
-    torch.testing.assert_close(mapping[ia].cpu(), host[ia])
-    torch.testing.assert_close(mapping[ib].cpu(), host[ib])
+    torch.testing.assert_close(mapping[ia].cpu(), host[ia], **EXACT)
+    torch.testing.assert_close(mapping[ib].cpu(), host[ib], **EXACT)
 
 
 def test_host_mapping_really_transfers(two_sharded):
@@ -95,9 +106,9 @@ def test_environment_variable_forces_the_fallback(two_sharded, monkeypatch):
         txe.LoweringContext()
 
 
-def test_scalar_parameters_are_deduplicated(device):
-    a = torch.randn(16).to(device)
-    b = torch.randn(16).to(device)
+def test_scalar_parameters_are_deduplicated(device, gen):
+    a = torch.randn(16, generator=gen).to(device)
+    b = torch.randn(16, generator=gen).to(device)
     torch_xla.sync()
     ctx = lowered([a * 2.75 + b * 2.75 - 2.75])
     params = ctx.parameters(inputs=[a, b])
@@ -108,8 +119,8 @@ def test_scalar_parameters_are_deduplicated(device):
     assert sorted(p.kind for p in params) == ["hoisted", "input", "input"]
 
 
-def test_tensors_created_inside_the_lowered_code(device):
-    a = torch.randn(3).to(device)
+def test_tensors_created_inside_the_lowered_code(device, gen):
+    a = torch.randn(3, generator=gen).to(device)
     torch_xla.sync()
 
     def fn(x):
@@ -122,12 +133,12 @@ def test_tensors_created_inside_the_lowered_code(device):
     assert not m.device_to_host, m.report()
     hoisted = [p for p in params if p.kind == "hoisted" and p.shape == (3,)]
     assert len(hoisted) == 1
-    torch.testing.assert_close(hoisted[0].tensor.cpu(), torch.tensor([10.0, 20.0, 30.0]))
+    torch.testing.assert_close(hoisted[0].tensor.cpu(), torch.tensor([10.0, 20.0, 30.0]), **EXACT)
     assert [p.kind for p in params if p.tensor is not None and p.tensor.shape == (3,)].count("input") == 1
 
 
-def test_placeholder_tensors(device):
-    a = torch.randn(4).to(device)
+def test_placeholder_tensors(device, gen):
+    a = torch.randn(4, generator=gen).to(device)
     torch_xla.sync()
     outside = xb.create_placeholder_tensor((4,), torch.float32)
     inside = xb.create_placeholder_tensor((4,), torch.float32)
@@ -153,12 +164,12 @@ def test_mapped_tensors_reused_without_transfers(two_sharded):
         torch_xla.sync()
     assert not m.device_to_host, m.report()
     assert spec(out) != ""  # sharding propagated through the reuse
-    torch.testing.assert_close(out.cpu(), a.cpu() * 2 + b.cpu())
+    torch.testing.assert_close(out.cpu(), a.cpu() * 2 + b.cpu(), **tolerance(torch.float32))  # elementwise
 
 
-def test_tensor_parameter_ids_match_native_lookup(two_sharded, device):
+def test_tensor_parameter_ids_match_native_lookup(two_sharded, device, gen):
     a, b = two_sharded
-    unrelated = torch.randn(5).to(device)
+    unrelated = torch.randn(5, generator=gen).to(device)
     torch_xla.sync()
     pending = a * 2  # holds IR, not device data
     ctx = lowered([(a + b).sum() + pending.sum()])
@@ -202,6 +213,11 @@ def test_parameters_check_agreement_with_the_hlo(two_sharded):
     ):
         with pytest.raises(RuntimeError, match=what):
             ctx._check_agreement(bad, p.tensor, spec(p.tensor))
+    # parameters() itself runs the check: a mapped tensor that no longer matches its HLO
+    # parameter (here b, of another shape and sharding, stands in for a) is reported.
+    ctx._mapping = {**ctx.device_parameter_id_tensor_mapping(), p.number: b}
+    with pytest.raises(RuntimeError, match=rf"parameter {p.number} .*shape \(2048,\) vs HLO \(32, 2048\)"):
+        ctx.parameters()
 
 
 def test_module_and_hlo(two_sharded):
@@ -216,8 +232,8 @@ def test_module_and_hlo(two_sharded):
     assert shardings == sorted([spec(a), spec(b)])
 
 
-def test_bad_use_raises_clear_errors(device):
-    a = torch.randn(2).to(device)
+def test_bad_use_raises_clear_errors(device, gen):
+    a = torch.randn(2, generator=gen).to(device)
     ctx = txe.LoweringContext()
     with pytest.raises(RuntimeError, match="build"):
         ctx.device_parameter_id_tensor_mapping()
@@ -236,3 +252,27 @@ def test_bad_use_raises_clear_errors(device):
         txe.LoweringContext(device_mapping="fast")
     with pytest.raises(ValueError, match="name"):
         txe.LoweringContext("")
+
+
+def test_a_single_tensor_where_a_list_is_expected_is_a_clear_type_error(device, gen):
+    a = torch.randn(8, 4, generator=gen).to(device)
+    torch_xla.sync()
+    ctx = lowered([a * 2.5])
+    with pytest.raises(TypeError, match=r"parameters\(inputs=\.\.\.\) expects a list or tuple of XLA tensors, "
+                                        r"got a single Tensor of shape \(8, 4\).*inputs=\[x\]"):
+        ctx.parameters(inputs=a)
+    with pytest.raises(TypeError, match=r"tensor_parameter_ids\(tensors\) expects a list or tuple .* single Tensor "
+                                        r"of shape \(8, 4\).*tensor_parameter_ids\(\[t\]\)"):
+        ctx.tensor_parameter_ids(a)
+    with pytest.raises(TypeError, match="got int"):
+        ctx.tensor_parameter_ids(3)
+    with pytest.raises(TypeError, match="got str"):
+        ctx.parameters(inputs="a")
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
+        ctx.tensor_parameter_id([a])
+    # Raised before any work: nothing was computed or cached, and the context still answers.
+    assert ctx._mapping is None and ctx._handle_to_param is None
+    ia = ctx.tensor_parameter_id(a)
+    assert ia >= 0 and ctx.tensor_parameter_ids([a]) == [ia] == ctx.tensor_parameter_ids((a,))
+    kinds = {p.number: p.kind for p in ctx.parameters(inputs=[a])}
+    assert kinds[ia] == "input" and sorted(kinds.values()) == ["hoisted", "input"]  # a and the 2.5

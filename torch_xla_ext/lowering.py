@@ -60,6 +60,18 @@ def _require_xla_tensor(t: object, what: str) -> torch.Tensor:
     return t
 
 
+def _require_tensor_sequence(value: object, what: str, example: str) -> None:
+    """Reject a single tensor (iterating it would walk its rows) and non-iterables, with a fix."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{what} expects a list or tuple of XLA tensors, got a single Tensor of shape "
+            f"{tuple(value.shape)} (iterating it would walk its rows); wrap it in a list: {example}"
+        )
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{what} expects a list or tuple of XLA tensors, got {type(value).__name__}; "
+                        f"for example {example}")
+
+
 def _same_sharding(tensor_spec: str | None, hlo_spec: str | None) -> bool:
     a = tensor_spec or ""
     b = hlo_spec or ""
@@ -226,10 +238,17 @@ class LoweringContext:
         the graph, or it holds a pending computation rather than device data.
         O(1) after the first call on this context; no data moves.
         """
+        _require_xla_tensor(tensor, "tensor")
         return self.tensor_parameter_ids([tensor])[0]
 
     def tensor_parameter_ids(self, tensors: Iterable[torch.Tensor]) -> list[int]:
-        """:meth:`tensor_parameter_id` for many tensors in one pass, O(len(tensors) + P)."""
+        """:meth:`tensor_parameter_id` for many tensors in one pass, O(len(tensors) + P).
+
+        ``tensors`` is a sequence (or other iterable) of XLA tensors; a single
+        tensor raises ``TypeError`` (use :meth:`tensor_parameter_id`).
+        """
+        _require_tensor_sequence(tensors, "tensor_parameter_ids(tensors)",
+                                 "ctx.tensor_parameter_ids([t]), or ctx.tensor_parameter_id(t)")
         self._require_built()
         ts = [_require_xla_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         if not ts:
@@ -253,10 +272,14 @@ class LoweringContext:
         ``"input"`` for tensors listed in ``inputs``, ``"seed"`` for the RNG
         seed, ``"hoisted"`` for everything else the graph read. Raises
         ``RuntimeError`` when a mapped tensor's shape, dtype or sharding
-        disagrees with the HLO. No data moves.
+        disagrees with the HLO. ``inputs`` is a list or tuple (or other
+        iterable) of XLA tensors; a single tensor raises ``TypeError``. No data
+        moves.
         """
+        if inputs is not None:
+            _require_tensor_sequence(inputs, "parameters(inputs=...)", "ctx.parameters(inputs=[x])")
         self._require_built()
-        input_ids = {i for i in self.tensor_parameter_ids(inputs or ()) if i >= 0}
+        input_ids = {i for i in self.tensor_parameter_ids(() if inputs is None else inputs) if i >= 0}
         mapping = self.device_parameter_id_tensor_mapping()
         specs = dict(zip(mapping.keys(), _xlac()._get_xla_sharding_specs(list(mapping.values())))) if mapping else {}
         seeds = {i for i in self.tensor_parameter_ids(self._seed_data) if i >= 0}
