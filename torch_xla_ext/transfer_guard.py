@@ -67,21 +67,6 @@ class HostTransferError(RuntimeError):
 # Layer (b): metric deltas.
 # --------------------------------------------------------------------------- #
 
-# (kind, name) pairs; "metric" values are (count, total) of a torch_xla metric,
-# "counter" values are torch_xla counters.
-_D2H_METRICS: tuple[tuple[str, str], ...] = (
-    ("metric", "TransferFromDeviceTime"),
-    ("metric", "InboundData"),
-    ("counter", "ReplicateShardedData"),
-    ("counter", "xla::_to_cpu"),
-    ("counter", "aten::_local_scalar_dense"),
-)
-_H2D_METRICS: tuple[tuple[str, str], ...] = (
-    ("metric", "TransferToDeviceTime"),
-    ("metric", "OutboundData"),
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class TransferStats:
     """Deltas of torch_xla's transfer metrics over a block of code.
