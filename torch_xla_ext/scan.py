@@ -30,6 +30,7 @@ import inspect
 import itertools
 import re
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -37,15 +38,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
 
 from ._annotate import behind_barrier, fresh_node, is_replicated_spec
+from ._lift import Lifter
 from ._format import parse_tiled_spec
 from .lowering import LoweringContext, _require_xla_tensor
 
 __all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
 
 PyTree = Any
+Sig = tuple[tuple[int, ...], torch.dtype]
 
 # --------------------------------------------------------------------------- #
 # Pytree helpers.
@@ -65,102 +67,6 @@ def _check_tensor_leaves(named: list[tuple[str, Any]], allow_none: bool, who: st
 
 def _signature(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype)
-
-
-# --------------------------------------------------------------------------- #
-# Lifting tensors that fn closes over.
-# --------------------------------------------------------------------------- #
-
-
-def _is_inplace(func: Any, kwargs: dict) -> bool:
-    name = getattr(func, "__name__", "")
-    if name.endswith("_") and not name.endswith("__"):
-        return True
-    return kwargs.get("out") is not None or name in ("__setitem__", "__iadd__", "__isub__",
-                                                     "__imul__", "__itruediv__", "__set__")
-
-
-class _Lifter(TorchFunctionMode):
-    """Substitutes outside XLA tensors read by a traced function with stand-ins.
-
-    Known tensors are the inputs and every tensor produced while tracing; any
-    other XLA tensor that reaches a torch function is an *outside* tensor. The
-    first time one is seen it is replaced by ``standin_for(t)`` (a placeholder
-    of the same shape and dtype) and recorded, in order of first use. With
-    ``fixed`` pairs, those outside tensors map to the given stand-ins and any
-    other outside tensor is an error (used when re-tracing with AOTAutograd).
-    """
-
-    def __init__(self, inputs: Sequence[torch.Tensor],
-                 standin_for: Callable[[torch.Tensor], torch.Tensor] | None,
-                 fixed: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
-        super().__init__()
-        self._known: dict[int, torch.Tensor] = {id(t): t for t in inputs}
-        self._standin_for = standin_for
-        self.outside: list[torch.Tensor] = []
-        self.standins: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}
-        self._alias: dict[int, torch.Tensor] = {}
-        for original, standin in fixed:
-            self._add(original, standin)
-
-    def alias(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
-        """From now on, uses of ``tensor`` read ``value`` (a functional in-place update)."""
-        self._alias[id(tensor)] = value
-        self._known[id(value)] = value
-
-    def resolve(self, value: Any) -> Any:
-        return self._alias.get(id(value), value) if isinstance(value, torch.Tensor) else value
-
-    def _add(self, original: torch.Tensor, standin: torch.Tensor) -> torch.Tensor:
-        self._index[id(original)] = len(self.outside)
-        self.outside.append(original)
-        self.standins.append(standin)
-        self._known[id(standin)] = standin
-        return standin
-
-    def _swap(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        alias = self._alias.get(id(value))
-        if alias is not None:
-            return alias
-        if id(value) in self._known:
-            return value
-        index = self._index.get(id(value))
-        if index is not None:
-            return self.standins[index]
-        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
-            # A wrapper subclass (torch_xla's XLAShardedTensor from mark_sharding):
-            # look through it, or leave it alone while it is being built.
-            inner = getattr(value, "global_tensor", None)
-            return self._swap(inner) if isinstance(inner, torch.Tensor) else value
-        if value.device.type != "xla":
-            return value
-        if self._standin_for is None:
-            raise RuntimeError(
-                f"scan: fn read an outside tensor of shape {tuple(value.shape)} that it did not read "
-                f"when first traced; fn must read the same tensors on every call"
-            )
-        return self._add(value, self._standin_for(value))
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        target = args[0] if args else None
-        if (isinstance(target, torch.Tensor) and id(target) not in self._known
-                and target.device.type == "xla" and _is_inplace(func, kwargs)):
-            raise RuntimeError(
-                f"scan: fn mutates a tensor defined outside it ({getattr(func, '__name__', func)} on a "
-                f"tensor of shape {tuple(target.shape)}, dtype {target.dtype}). fn must be functional: "
-                f"return the new value through the carry instead."
-            )
-        args = pytree.tree_map(self._swap, args)
-        kwargs = pytree.tree_map(self._swap, kwargs)
-        out = func(*args, **kwargs)
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._known[id(leaf)] = leaf
-        return out
 
 
 # --------------------------------------------------------------------------- #
@@ -251,16 +157,44 @@ class _Traced(NamedTuple):
     carry_ph: list[torch.Tensor]    # placeholders for the carry leaves
     x_ph: list[torch.Tensor]        # placeholders for one slice of each xs leaf
     outside_ph: list[torch.Tensor]  # placeholders for the outside tensors
-    outside: list[torch.Tensor]     # outside tensors the step read, in order of first use
+    outside: list[torch.Tensor]     # outside tensors the step read, in order of first use (lifting traces)
     carry_out: list[torch.Tensor]
     ys: list[torch.Tensor]
+    mutated: tuple[int, ...]        # carry + x leaves the step wrote into, by position
+    fingerprint: tuple              # what a cached loop must match (lifting traces; see Lifter)
+    held: list[Any]                 # objects the fingerprint names by identity
 
 
-def _trace(step: Callable, carry: Sequence[tuple[tuple[int, ...], torch.dtype]],
-           x: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Traced:
-    """Run ``step(carry, x)`` lazily on placeholders, lifting outside tensors.
+def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequence[Sig] | None = None) -> _Traced:
+    """Run ``step`` lazily on placeholders; nothing executes and no device memory is allocated.
 
-    Nothing executes and no device memory is allocated.
+    See :func:`_trace_on_placeholders`. If ``step`` raises, the locals of the
+    frames the exception passed through are cleared (the traceback still names
+    every file and line): they hold lazy tensors over placeholders, which the
+    next ``torch_xla.sync()`` would try to execute if the exception were kept
+    (a failed test's report, ``sys.last_traceback``).
+    """
+    try:
+        return _trace_on_placeholders(step, carry, x, outside)
+    except BaseException as error:
+        seen: set[int] = set()
+        chained: BaseException | None = error
+        while chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            traceback.clear_frames(chained.__traceback__)
+            chained = chained.__cause__ or chained.__context__
+        raise
+
+
+def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
+                           outside: Sequence[Sig] | None) -> _Traced:
+    """Run ``step`` lazily on placeholders.
+
+    With ``outside=None`` this is the lifting trace of a user step,
+    ``step(carry, x)``: outside tensors it reads are lifted (see
+    :class:`~torch_xla_ext._lift.Lifter`) and the trace is fingerprinted. With
+    ``outside`` signatures, ``step(carry, x, outside)`` receives placeholders for
+    them and may read no other outside tensor (the autograd graphs).
     """
     carry_ph = [_placeholder(*s) for s in carry]
     x_ph = [_placeholder(*s) for s in x]
@@ -273,10 +207,27 @@ def _trace(step: Callable, carry: Sequence[tuple[tuple[int, ...], torch.dtype]],
 
     carry_in = [_not_device_data(t) for t in carry_ph]
     x_in = [_not_device_data(t) for t in x_ph]
-    lifter = _Lifter(carry_ph + x_ph + carry_in + x_in, standin)
-    with lifter, _rng_state_kept():
-        carry_out, ys = step(carry_in, x_in)
-    return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), list(carry_out), list(ys))
+    lifting = outside is None
+    if lifting:
+        lifter = Lifter(carry_in + x_in + carry_ph + x_ph, standin, record=True)
+        # In-place ops (also through views) bump the version counter; a sharding
+        # annotation (mark_sharding inside fn) does not.
+        before = [t._version for t in carry_in + x_in]
+        with lifter, _rng_state_kept():
+            carry_out, ys = step(carry_in, x_in)
+        lifter.check_outside_unchanged()
+        mutated = tuple(k for k, (t, v) in enumerate(zip(carry_in + x_in, before)) if t._version != v)
+    else:
+        outside_ph = [_placeholder(*s) for s in outside]
+        outside_in = [_not_device_data(t) for t in outside_ph]
+        lifter = Lifter(carry_in + x_in + outside_in + carry_ph + x_ph + outside_ph, None)
+        with lifter, _rng_state_kept():
+            carry_out, ys = step(carry_in, x_in, outside_in)
+        mutated = ()
+    carry_out, ys = list(carry_out), list(ys)
+    fingerprint = lifter.fingerprint(carry_out + ys) if lifting else ()
+    return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
+                   lifter.held)
 
 
 class _Loop(NamedTuple):
@@ -286,7 +237,7 @@ class _Loop(NamedTuple):
     num_carry: int
     num_xs: int
     y_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    outside: tuple[torch.Tensor, ...]    # lifted outside tensors, read when the loop runs
+    num_outside: int                     # outside operands, passed to each run (never held)
     constants: tuple[torch.Tensor, ...]  # device data the step created while traced
     uses_seed: bool
 
@@ -421,21 +372,28 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         num_carry=n_c,
         num_xs=n_x,
         y_shapes=tuple((tuple(y.shape), y.dtype) for y in traced.ys),
-        outside=tuple(traced.outside),
+        num_outside=len(traced.outside_ph),
         constants=tuple(constants),
         uses_seed=seed_id >= 0,
     )
 
 
 def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], length: int,
-         outside: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Add the loop to the lazy graph; returns (carry, ys) as lazy XLA tensors."""
+         outside: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Add the loop to the lazy graph; returns (carry, ys) as lazy XLA tensors.
+
+    ``outside`` are the tensors this call's step reads from outside, in the
+    order the loop was lowered with (never the ones of an earlier call).
+    """
     import torch_xla
 
+    if len(outside) != loop.num_outside:  # pragma: no cover - the plan's key fixes the count
+        raise RuntimeError(f"scan: internal error: {len(outside)} outside operands for a loop lowered with "
+                           f"{loop.num_outside}")
     device = torch_xla.device()
     operands = [torch.zeros((), dtype=torch.int64, device=device), *init, *xs]
     operands += [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes]
-    operands += list(loop.outside if outside is None else outside)
+    operands += list(outside)
     operands += list(loop.constants)
     if loop.uses_seed:
         # A fresh base seed per call from torch's default generator, so results
@@ -458,11 +416,8 @@ def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-Sig = tuple[tuple[int, ...], torch.dtype]
-
-
 @contextlib.contextmanager
-def _traceable_mark_sharding(lifter: _Lifter):
+def _traceable_mark_sharding(lifter: Lifter):
     """Make ``xs.mark_sharding`` inside fn work while AOTAutograd traces it.
 
     The plain annotation cannot apply to the fake tensors of a trace. While
@@ -565,13 +520,19 @@ class _GradPlan:
     """
 
     def __init__(self, step: Callable, carry: list[Sig], x: list[Sig], x_grad: list[bool],
-                 outside: list[torch.Tensor], length: int, reverse: bool,
+                 outside: list[torch.Tensor], mutated: tuple[int, ...], length: int, reverse: bool,
                  partition_fn: Callable | None) -> None:
+        """``outside`` are the current call's outside tensors: traced through, never held.
+
+        ``mutated`` lists the carry and x leaves ``step`` writes into (by
+        position in ``carry + x``): ``step`` gets its own copies of them, as
+        the Python loop's ``fn`` would write into values it alone holds.
+        """
         from functorch.compile import aot_function, default_partition, make_boxed_func
 
         self.n_c, self.n_x, self.n_o = len(carry), len(x), len(outside)
         self.length, self.reverse = length, reverse
-        self.outside = list(outside)
+        self.outside_sig: list[Sig] = [_signature(t) for t in outside]
         captured: dict[str, torch.fx.GraphModule] = {}
 
         def capture(kind: str):
@@ -584,9 +545,12 @@ class _GradPlan:
         n_c, n_x = self.n_c, self.n_x
 
         def primal_fn(*args):
-            lifter = _Lifter(args, None, fixed=list(zip(outside, args[n_c + n_x:])))
+            # AOTAutograd would turn a write into an input into an extra leading
+            # output; the step writes into copies instead.
+            own = [a.clone() if k in mutated else a for k, a in enumerate(args[:n_c + n_x])]
+            lifter = Lifter([*args, *own], None, fixed=list(zip(outside, args[n_c + n_x:])))
             with lifter, _traceable_mark_sharding(lifter):
-                carry_out, ys = step(list(args[:n_c]), list(args[n_c:n_c + n_x]))
+                carry_out, ys = step(own[:n_c], own[n_c:])
             carry_out = [lifter.resolve(o) for o in carry_out]
             ys = [lifter.resolve(o) for o in ys]
             ins = {id(a) for a in args}
@@ -639,7 +603,8 @@ class _GradPlan:
         self.num_stacked = stacked
         self.x_aliased = sorted({src[1] for src in self._input_reads() if src[0] == "x"})
         self.carry_sig, self.x_sig = carry, x
-        self.fwd_loop = _lower(_trace(self._forward_step, carry, x), length, reverse, "scan_forward")
+        self.fwd_loop = _lower(_trace(self._forward_step, carry, x, self.outside_sig), length, reverse,
+                               "scan_forward")
         self.saved_sig = [s for s in self.fwd_loop.y_shapes[self.num_y:]]
         self.y_sig = list(self.fwd_loop.y_shapes[:self.num_y])
         self._bwd_loop: _Loop | None = None
@@ -654,14 +619,14 @@ class _GradPlan:
                 reads.append(src[1])
         return reads
 
-    def _forward_step(self, carry, x):
-        result = list(self.fw(*carry, *x, *self.outside))
+    def _forward_step(self, carry, x, outside):
+        result = list(self.fw(*carry, *x, *outside))
         n_out = self.n_c + self.num_y
         saved = result[n_out:]
         stacked = [saved[i] for i, src in enumerate(self.saved_src) if src[0] == "stacked"]
         return result[:self.n_c], result[self.n_c:n_out] + stacked
 
-    def _backward_step(self, carry, x):
+    def _backward_step(self, carry, x, outside):
         n_c, n_x = self.n_c, self.n_x
         float_carry = [i for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
         grad_outside = [k for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
@@ -671,7 +636,7 @@ class _GradPlan:
         x_slices = dict(zip(self.x_aliased, x[self.num_stacked:self.num_stacked + len(self.x_aliased)]))
         gy = x[self.num_stacked + len(self.x_aliased):]
         def read(kind: str, k: int) -> torch.Tensor:
-            return stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else self.outside[k]
+            return stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else outside[k]
 
         saved = []
         for src in self.saved_src:
@@ -689,8 +654,7 @@ class _GradPlan:
                                                                if carry else x[0].device)
 
         new_g = [grad_or_zeros(i, self.carry_sig[i]) for i in float_carry]
-        new_acc = [a + grad_or_zeros(n_c + n_x + k, (tuple(self.outside[k].shape), self.outside[k].dtype))
-                   for a, k in zip(acc, grad_outside)]
+        new_acc = [a + grad_or_zeros(n_c + n_x + k, self.outside_sig[k]) for a, k in zip(acc, grad_outside)]
         gx = [grad_or_zeros(n_c + j, self.x_sig[j]) for j in range(n_x) if self.grad_mask[n_c + j]]
         return new_g + new_acc, gx
 
@@ -698,10 +662,9 @@ class _GradPlan:
         if self._bwd_loop is None:
             n_c, n_x = self.n_c, self.n_x
             carry = [self.carry_sig[i] for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
-            carry += [(tuple(self.outside[k].shape), self.outside[k].dtype)
-                      for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+            carry += [self.outside_sig[k] for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
             xs = list(self.saved_sig) + [self.x_sig[j] for j in self.x_aliased] + list(self.y_sig)
-            self._bwd_loop = _lower(_trace(self._backward_step, carry, xs), self.length,
+            self._bwd_loop = _lower(_trace(self._backward_step, carry, xs, self.outside_sig), self.length,
                                     not self.reverse, "scan_backward")
         return self._bwd_loop
 
@@ -716,13 +679,15 @@ class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _GradPlan, *flat: torch.Tensor):
         n_c, n_x = plan.n_c, plan.n_x
-        init, xs = list(flat[:n_c]), list(flat[n_c:n_c + n_x])
+        init, xs, outside = list(flat[:n_c]), list(flat[n_c:n_c + n_x]), list(flat[n_c + n_x:])
         with torch.no_grad():
-            carry, ys_all = _run(plan.fwd_loop, init, xs, plan.length, outside=flat[n_c + n_x:])
+            carry, ys_all = _run(plan.fwd_loop, init, xs, plan.length, outside)
         ys, stacked = ys_all[:plan.num_y], ys_all[plan.num_y:]
         ctx.plan = plan
-        ctx.shardings = [_sharding_of(t) for t in init + xs]
-        ctx.save_for_backward(*stacked, *[xs[j] for j in plan.x_aliased])
+        ctx.shardings = [_sharding_of(t) for t in init + xs + outside]
+        # The backward reads the outside tensors of this call; saving them lets
+        # autograd refuse a backward after they were modified in place, as eager does.
+        ctx.save_for_backward(*stacked, *[xs[j] for j in plan.x_aliased], *outside)
         outs = carry + ys
         ctx.mark_non_differentiable(*[t for t in outs if not _is_float(t)])
         return tuple(outs)
@@ -732,7 +697,8 @@ class _ScanFunction(torch.autograd.Function):
         plan: _GradPlan = ctx.plan
         n_c, n_x = plan.n_c, plan.n_x
         saved = list(ctx.saved_tensors)
-        stacked, aliased_xs = saved[:plan.num_stacked], saved[plan.num_stacked:]
+        n_s, n_a = plan.num_stacked, len(plan.x_aliased)
+        stacked, aliased_xs, outside = saved[:n_s], saved[n_s:n_s + n_a], saved[n_s + n_a:]
         import torch_xla
 
         device = torch_xla.device()
@@ -743,11 +709,11 @@ class _ScanFunction(torch.autograd.Function):
         float_carry = [i for i in range(n_c) if _is_float_dtype(plan.carry_sig[i][1])]
         grad_outside = [k for k in range(plan.n_o) if plan.grad_mask[n_c + n_x + k]]
         init = [or_zeros(grads[i], plan.carry_sig[i]) for i in float_carry]
-        init += [torch.zeros_like(plan.outside[k]) for k in grad_outside]
+        init += [or_zeros(None, plan.outside_sig[k]) for k in grad_outside]
         gys = [or_zeros(grads[n_c + j], ((plan.length, *plan.y_sig[j][0]), plan.y_sig[j][1]))
                for j in range(plan.num_y)]
         with torch.no_grad():
-            carry, gxs = _run(plan.backward_loop(), init, stacked + aliased_xs + gys, plan.length)
+            carry, gxs = _run(plan.backward_loop(), init, stacked + aliased_xs + gys, plan.length, outside)
         grad_init: list[torch.Tensor | None] = [None] * n_c
         for i, g in zip(float_carry, carry[:len(float_carry)]):
             grad_init[i] = g
@@ -760,7 +726,7 @@ class _ScanFunction(torch.autograd.Function):
         # Gradients are sharded like the tensors they belong to.
         _apply_shardings(grad_init, ctx.shardings[:n_c])
         _apply_shardings(grad_xs, ctx.shardings[n_c:n_c + n_x])
-        _shard_like(grad_outside_vals, plan.outside)
+        _apply_shardings(grad_outside_vals, ctx.shardings[n_c + n_x:])
         return (None, *grad_init, *grad_xs, *grad_outside_vals)
 
 
@@ -771,11 +737,10 @@ class _ScanFunction(torch.autograd.Function):
 
 @dataclasses.dataclass
 class _Plan:
-    y_spec: pytree.TreeSpec
-    y_none: tuple[bool, ...]      # per y leaf: was it None (not stacked)
+    """The lowered loops for one fingerprint of ``fn``; they read outside tensors passed per call."""
+
     y_sig: list[Sig]              # per stacked y leaf
-    outside: list[torch.Tensor]
-    outside_grad: tuple[bool, ...]
+    held: list[Any]               # objects the fingerprint names by identity (kept alive with it)
     loop: _Loop | None = None      # forward-only
     grad: _GradPlan | None = None  # with autograd
 
@@ -783,13 +748,17 @@ class _Plan:
 class ScanCacheInfo(NamedTuple):
     """Counters of :func:`scan`'s trace cache (process-wide)."""
 
-    traces: int  # calls that traced and lowered fn
-    hits: int    # calls served by a cached plan
+    traces: int  # calls that lowered fn into new loops (a miss)
+    hits: int    # calls whose trace matched a cached plan's fingerprint
     size: int    # plans held
 
 
 _cache_lock = threading.Lock()
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Plans kept per fn, least recently used dropped first: a fn whose fingerprint
+#: changes on every call (a Python number that keeps changing) must not grow
+#: the cache without bound.
+_PLANS_PER_FN = 16
 _counters = {"traces": 0, "hits": 0}
 
 
@@ -841,22 +810,19 @@ def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     return step
 
 
-def _make_plan(fn: Callable, init_spec, x_spec, init: list[torch.Tensor], xs: list[torch.Tensor],
+def _make_plan(step: Callable, traced: _Traced, init: list[torch.Tensor], xs: list[torch.Tensor],
                length: int, reverse: bool, partition_fn: Callable | None) -> _Plan:
-    found: dict[str, Any] = {}
-    step = _flat_step(fn, init_spec, x_spec, found)
-    carry_sig = [_signature(t) for t in init]
-    x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs]
-    traced = _trace(step, carry_sig, x_sig)
+    """Lower the loops for ``traced`` (this call's lifting trace of ``step``)."""
     outside = traced.outside
-    plan = _Plan(found["y_spec"], found["y_none"], [_signature(y) for y in traced.ys], outside,
-                 tuple(t.requires_grad for t in outside))
+    plan = _Plan([_signature(y) for y in traced.ys], traced.held)
     if length == 0:
         return plan
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(init, xs, outside))
     if needs_grad:
+        carry_sig = [_signature(t) for t in init]
+        x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs]
         plan.grad = _GradPlan(step, carry_sig, x_sig, [t.requires_grad for t in xs], outside,
-                              length, reverse, partition_fn)
+                              traced.mutated, length, reverse, partition_fn)
     else:
         plan.loop = _lower(traced, length, reverse, "scan")
     return plan
@@ -868,14 +834,18 @@ def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool
         with _cache_lock:
             entry = _cache.get(owner)
             plan = entry.get(key) if entry else None
-            if plan is not None and tuple(t.requires_grad for t in plan.outside) == plan.outside_grad:
+            if plan is not None:
+                entry[key] = entry.pop(key)  # most recently used last
                 _counters["hits"] += 1
                 return plan
     plan = make()
     with _cache_lock:
         _counters["traces"] += 1
         if pure and owner is not None:
-            _cache.setdefault(owner, {})[key] = plan
+            entry = _cache.setdefault(owner, {})
+            entry[key] = plan
+            while len(entry) > _PLANS_PER_FN:
+                del entry[next(iter(entry))]
     return plan
 
 
@@ -977,12 +947,19 @@ def scan(
         length = int(first.shape[0])
         xs_l = [leaf for _, leaf in x_named]
 
-    grad_on = torch.is_grad_enabled()
-    specs = tuple(_canonical_specs(init_l + xs_l))
-    key = (init_spec, x_spec, tuple(_signature(t) for t in init_l), tuple(_signature(t) for t in xs_l),
-           specs, tuple(t.requires_grad for t in init_l + xs_l), grad_on, length, reverse, partition_fn)
-    plan = _cached_plan(fn, key, lambda: _make_plan(fn, init_spec, x_spec, init_l, xs_l, length, reverse,
-                                                    partition_fn), is_fn_pure)
+    # Every call traces fn lazily on placeholders (nothing runs): the outside
+    # tensors it reads now are the loop's operands, and the trace's fingerprint
+    # picks the cached loop, so a value that changed is never served stale.
+    found: dict[str, Any] = {}
+    step = _flat_step(fn, init_spec, x_spec, found)
+    traced = _trace(step, [_signature(t) for t in init_l], [(tuple(t.shape[1:]), t.dtype) for t in xs_l])
+    outside = traced.outside
+    specs = tuple(_canonical_specs(init_l + xs_l + outside))
+    key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
+           tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
+           partition_fn, traced.fingerprint)
+    plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
+                        is_fn_pure)
     n_c = len(init_l)
     if length == 0:
         carry_l = init_l
@@ -991,15 +968,15 @@ def scan(
         device = torch_xla.device()
         ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
     elif plan.grad is not None:
-        outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *plan.outside)
+        outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *outside)
         carry_l, ys_l = list(outs[:n_c]), list(outs[n_c:])
     else:
-        carry_l, ys_l = _run(plan.loop, init_l, xs_l, length)
+        carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, outside)
     if length:
         _shard_like(carry_l, init_l)
     stacked = iter(ys_l)
-    ys_full = [None if none else next(stacked) for none in plan.y_none]
-    return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full, plan.y_spec)
+    ys_full = [None if none else next(stacked) for none in found["y_none"]]
+    return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full, found["y_spec"])
 
 
 # --------------------------------------------------------------------------- #

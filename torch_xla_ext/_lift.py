@@ -1,0 +1,222 @@
+"""Lifting what a traced step function reads, and recording it so a cached loop never goes stale.
+
+While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
+``TorchFunctionMode``) sees every torch call ``fn`` makes. It does three jobs:
+
+* **Lift**: an XLA tensor that is neither an input nor made by ``fn`` is an
+  *outside* tensor. It is replaced by a stand-in placeholder, recorded in order
+  of first use, and becomes an explicit loop operand. The tensor objects are
+  re-resolved on every call, so a dict entry or attribute that now holds a
+  different tensor is read as it is now.
+* **Record** a fingerprint of everything the trace depended on that the lazy
+  graph does not show: each call's function, its Python numbers and other
+  non-tensor arguments *by value*, which input / outside tensor / earlier result
+  each tensor argument was, and the identity and version counter of host
+  tensors read from outside. Together with the graph hash of the outputs, two
+  traces with equal fingerprints lower to the same loop with the same constants;
+  a cached loop is reused only then.
+* **Refuse writes** to outside tensors by any route: an in-place op or ``out=``
+  on one fails at once; a write through an alias (``.data``, a view) shows up
+  as a changed stand-in after the trace (:meth:`Lifter.check_outside_unchanged`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Lifter", "graph_hash", "is_inplace_call"]
+
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__", "__set__"})
+
+
+def is_inplace_call(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``__setitem__``, ``__iadd__``, ...)."""
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS:
+        return True
+    # OpOverloads are named like ``add_.Tensor``; methods like ``add_``.
+    base = name.split(".", 1)[0]
+    return base.endswith("_") and not base.endswith("__")
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call writes into: its first argument if in place, and every ``out=`` tensor."""
+    targets = [args[0]] if args and isinstance(args[0], torch.Tensor) and is_inplace_call(func) else []
+    out = kwargs.get("out")
+    if out is not None:
+        targets += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return targets
+
+
+def graph_hash(tensors: Sequence[torch.Tensor]) -> bytes:
+    """torch_xla's hash of the lazy graph computing ``tensors`` (structure, shapes, dtypes; not data)."""
+    import torch_xla
+
+    return bytes(torch_xla._XLAC._get_graph_hash(list(tensors))) if tensors else b""
+
+
+class Lifter(TorchFunctionMode):
+    """Substitutes outside XLA tensors read by a traced function with stand-ins, and fingerprints the trace.
+
+    Args:
+      inputs: the tensors passed to the traced function (carry and x leaves, and
+        for the autograd traces the outside arguments too). They are known.
+      standin_for: makes the stand-in of a newly seen outside XLA tensor; None
+        forbids reading any outside XLA tensor other than those in ``fixed``.
+      fixed: ``(outside tensor, stand-in)`` pairs known in advance (the autograd
+        traces map the outside tensors of the first trace to their arguments).
+      record: build :attr:`fingerprint` (the first, lifting trace of a call).
+    """
+
+    def __init__(self, inputs: Sequence[torch.Tensor],
+                 standin_for: Callable[[torch.Tensor], torch.Tensor] | None,
+                 fixed: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), record: bool = False) -> None:
+        super().__init__()
+        self._known: dict[int, torch.Tensor] = {id(t): t for t in inputs}
+        self._standin_for = standin_for
+        self.outside: list[torch.Tensor] = []
+        self.standins: list[torch.Tensor] = []
+        self._standin_hashes: list[bytes] = []
+        self._index: dict[int, int] = {}
+        self._alias: dict[int, torch.Tensor] = {}
+        self._record = record
+        # Role of each tensor the fingerprint can name: ("i", k) input k, ("o", k)
+        # outside tensor k's stand-in, ("t", n) the n-th tensor made by fn.
+        self._roles: dict[int, tuple] = {id(t): ("i", k) for k, t in enumerate(inputs)}
+        self._made = 0
+        self._calls: list[tuple] = []
+        #: Host tensors and unhashable objects the fingerprint names by identity:
+        #: held so that no other object can take their id while a plan lives.
+        self.held: list[Any] = []
+        for original, standin in fixed:
+            self._add(original, standin)
+
+    # ----------------------------------------------------------------- aliases
+    def alias(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """From now on, uses of ``tensor`` read ``value`` (a functional in-place update)."""
+        self._alias[id(tensor)] = value
+        self._known[id(value)] = value
+
+    def resolve(self, value: Any) -> Any:
+        return self._alias.get(id(value), value) if isinstance(value, torch.Tensor) else value
+
+    # ----------------------------------------------------------------- lifting
+    def _add(self, original: torch.Tensor, standin: torch.Tensor) -> torch.Tensor:
+        k = len(self.outside)
+        self._index[id(original)] = k
+        self.outside.append(original)
+        self.standins.append(standin)
+        self._standin_hashes.append(graph_hash([standin]) if self._record else b"")
+        self._known[id(standin)] = standin
+        self._roles[id(standin)] = ("o", k)
+        return standin
+
+    def _swap(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        alias = self._alias.get(id(value))
+        if alias is not None:
+            return alias
+        if id(value) in self._known:
+            return value
+        index = self._index.get(id(value))
+        if index is not None:
+            return self.standins[index]
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            # A wrapper subclass (torch_xla's XLAShardedTensor from mark_sharding):
+            # look through it, or leave it alone while it is being built.
+            inner = getattr(value, "global_tensor", None)
+            return self._swap(inner) if isinstance(inner, torch.Tensor) else value
+        if value.device.type != "xla":
+            return value
+        if self._standin_for is None:
+            raise RuntimeError(
+                f"scan: fn read an outside tensor of shape {tuple(value.shape)} that it did not read "
+                f"when first traced; fn must read the same tensors on every call"
+            )
+        return self._add(value, self._standin_for(value))
+
+    # ------------------------------------------------------------- fingerprint
+    def _describe(self, value: Any) -> Any:
+        """A hashable description of an argument: by value, by role, or (host tensors) by identity and version."""
+        if isinstance(value, torch.Tensor):
+            role = self._roles.get(id(value))
+            if role is not None:
+                return role
+            if value.device.type == "xla":
+                # An XLA wrapper left alone while it is being built (mark_sharding).
+                # Never held: a live lazy tensor over placeholders would be
+                # materialized by the next sync.
+                return ("xla", type(value).__name__, tuple(value.shape), value.dtype)
+            # A host tensor from outside: its values are baked into the trace, so a
+            # new object or an in-place change must not reuse the plan.
+            self.held.append(value)
+            return ("h", id(value), value._version, value.device.type)
+        if isinstance(value, float):
+            return ("f", value.hex())
+        if isinstance(value, complex):
+            return ("c", value.real.hex(), value.imag.hex())
+        if isinstance(value, (bool, int, str, type(None), torch.dtype, torch.device, torch.layout,
+                              torch.memory_format, type(Ellipsis))):
+            return (type(value).__name__, value)
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(self._describe(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple((self._describe(k), self._describe(v)) for k, v in value.items()))
+        if isinstance(value, slice):
+            return ("slice", self._describe(value.start), self._describe(value.stop), self._describe(value.step))
+        try:
+            hash(value)
+        except TypeError:
+            self.held.append(value)
+            return ("id", type(value).__name__, id(value))
+        return (type(value).__qualname__, value)
+
+    def fingerprint(self, outputs: Sequence[torch.Tensor]) -> tuple:
+        """What a cached loop must match to be reused: every call with its arguments, and the output graph."""
+        return (tuple(self._calls), graph_hash(outputs))
+
+    def check_outside_unchanged(self) -> None:
+        """Raise if fn wrote into an outside tensor through an alias (``.data``, a view, ``copy_`` on a view)."""
+        for k, (standin, before) in enumerate(zip(self.standins, self._standin_hashes)):
+            if before and graph_hash([standin]) != before:
+                t = self.outside[k]
+                raise RuntimeError(
+                    f"scan: fn writes into a tensor defined outside it (shape {tuple(t.shape)}, dtype "
+                    f"{t.dtype}), through an alias such as .data or a view. The write would be lost: fn must "
+                    f"be functional for tensors it does not receive; return the new value through the carry "
+                    f"or ys instead."
+                )
+
+    # -------------------------------------------------------------------- mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for target in _written(func, args, kwargs):
+            if (id(target) not in self._known and id(target) not in self._alias
+                    and (target.device.type == "xla" or id(target) in self._index)):
+                how = "out=" if target is not (args[0] if args else None) else getattr(func, "__name__", func)
+                raise RuntimeError(
+                    f"scan: fn writes into a tensor defined outside it ({how} on a tensor of shape "
+                    f"{tuple(target.shape)}, dtype {target.dtype}). The write would be lost: fn must be "
+                    f"functional for tensors it does not receive; return the new value through the carry "
+                    f"or ys instead."
+                )
+        args = pytree.tree_map(self._swap, args)
+        kwargs = pytree.tree_map(self._swap, kwargs)
+        if self._record:
+            self._calls.append((func, self._describe(args), self._describe(kwargs)))
+        out = func(*args, **kwargs)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._known[id(leaf)] = leaf
+                if self._record and id(leaf) not in self._roles:
+                    self._roles[id(leaf)] = ("t", self._made)
+                    self._made += 1
+        return out
