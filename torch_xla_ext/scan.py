@@ -40,7 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._annotate import behind_barrier, fresh_node, is_replicated_spec
-from ._lift import Lifter
+from ._lift import Lifter, graph_hash
 from ._format import parse_tiled_spec
 from .lowering import LoweringContext, _require_xla_tensor
 
@@ -210,13 +210,17 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
     lifting = outside is None
     if lifting:
         lifter = Lifter(carry_in + x_in + carry_ph + x_ph, standin, record=True)
-        # In-place ops (also through views) bump the version counter; a sharding
-        # annotation (mark_sharding inside fn) does not.
-        before = [t._version for t in carry_in + x_in]
+        # Written inputs: in-place ops (also through views) bump the version
+        # counter; ops that update an argument from C++ (batch_norm's running
+        # stats) change only its graph. A sharding annotation changes the graph
+        # too, and then the input counts as written (a copy is harmless).
+        before = [(t._version, graph_hash([t])) for t in carry_in + x_in]
         with lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in)
         lifter.check_outside_unchanged()
-        mutated = tuple(k for k, (t, v) in enumerate(zip(carry_in + x_in, before)) if t._version != v)
+        mutated = tuple(k for k, (t, (v, h)) in enumerate(zip(carry_in + x_in, before))
+                        if t._version != v or graph_hash([t]) != h)
+        _check_no_y_aliases_written_carry(ys, carry_in, mutated)
     else:
         outside_ph = [_placeholder(*s) for s in outside]
         outside_in = [_not_device_data(t) for t in outside_ph]
@@ -228,6 +232,25 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
     fingerprint = lifter.fingerprint(carry_out + ys) if lifting else ()
     return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
                    lifter.held)
+
+
+def _check_no_y_aliases_written_carry(ys: Sequence[torch.Tensor], carry_in: Sequence[torch.Tensor],
+                                       mutated: tuple[int, ...]) -> None:
+    """Refuse a y that is (a view of) a carry leaf fn updates in place.
+
+    In the Python loop that y is the next iteration's carry, updated in place
+    again: every such y ends up equal to the final carry. A loop that stacks
+    each iteration's value would return something else.
+    """
+    for i in (k for k in mutated if k < len(carry_in)):
+        c = carry_in[i]
+        for j, y in enumerate(ys):
+            if y is c or (y._is_view() and y._base is c):
+                raise ValueError(
+                    f"scan: fn updates carry leaf {i} in place and also returns it as y leaf {j}; in the Python "
+                    f"loop every such y aliases the final carry. Return a copy (y = c.clone()) or update the "
+                    f"carry out of place (c = c + ...)."
+                )
 
 
 class _Loop(NamedTuple):
@@ -947,20 +970,43 @@ def scan(
         length = int(first.shape[0])
         xs_l = [leaf for _, leaf in x_named]
 
+    carry_l, ys_full, _ = _scan_flat(fn, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn,
+                                     is_fn_pure)
+    return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full[0], ys_full[1])
+
+
+def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
+               xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
+               check_written: Callable[[list[int]], None] | None = None,
+               ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec], dict[int, torch.Tensor]]:
+    """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec), updated xs)``.
+
+    With ``check_written`` (scan_layers' buffers), ``updated`` maps the
+    position of each xs leaf that ``fn`` writes into to the stacked values of
+    its slices as each iteration left them; ``check_written`` sees those
+    positions first, before anything is lowered, and may refuse them.
+    """
     # Every call traces fn lazily on placeholders (nothing runs): the outside
     # tensors it reads now are the loop's operands, and the trace's fingerprint
     # picks the cached loop, so a value that changed is never served stale.
     found: dict[str, Any] = {}
     step = _flat_step(fn, init_spec, x_spec, found)
-    traced = _trace(step, [_signature(t) for t in init_l], [(tuple(t.shape[1:]), t.dtype) for t in xs_l])
+    carry_sig = [_signature(t) for t in init_l]
+    x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
+    traced = _trace(step, carry_sig, x_sig)
+    n_c = len(init_l)
+    written = [k - n_c for k in traced.mutated if k >= n_c] if check_written is not None else []
+    if written:
+        check_written(written)
+        step = _with_written_xs(step, written)
+        traced = _trace(step, carry_sig, x_sig)
     outside = traced.outside
     specs = tuple(_canonical_specs(init_l + xs_l + outside))
     key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
            tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
-           partition_fn, traced.fingerprint)
+           partition_fn, check_written is not None, traced.fingerprint)
     plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
-                        is_fn_pure)
-    n_c = len(init_l)
+                        pure)
     if length == 0:
         carry_l = init_l
         import torch_xla
@@ -974,9 +1020,20 @@ def scan(
         carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, outside)
     if length:
         _shard_like(carry_l, init_l)
-    stacked = iter(ys_l)
+    updated = dict(zip(written, ys_l[len(ys_l) - len(written):]))
+    stacked = iter(ys_l[:len(ys_l) - len(written)])
     ys_full = [None if none else next(stacked) for none in found["y_none"]]
-    return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full, found["y_spec"])
+    return carry_l, (ys_full, found["y_spec"]), updated
+
+
+def _with_written_xs(step: Callable, written: list[int]) -> Callable:
+    """``step`` that also returns, after its ys, the x leaves at ``written`` as the step left them."""
+
+    def step_and_written(carry_leaves: list[torch.Tensor], x_leaves: list[torch.Tensor]):
+        carry_out, ys = step(carry_leaves, x_leaves)
+        return carry_out, [*ys, *(x_leaves[j] for j in written)]
+
+    return step_and_written
 
 
 # --------------------------------------------------------------------------- #
@@ -1168,6 +1225,13 @@ class _Stack(torch.autograd.Function):
         return tuple(grads)
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor of an AOTAutograd trace (fake or functional) rather than a lazy XLA tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def _layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = dict(layer.named_parameters())
     state.update(dict(layer.named_buffers()))
@@ -1221,8 +1285,18 @@ def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[
         template_ref = weakref.ref(template)
 
         def step(h, state):
-            params = {name: t.reshape(shape) for name, shape, t in zip(names, shapes, state)}
-            return functional_call(template_ref(), params, (h,)), None
+            params = {name: t if tuple(t.shape) == shape else t.reshape(shape)
+                      for name, shape, t in zip(names, shapes, state)}
+            views = [(t, params[name]) for name, t in zip(names, state) if params[name] is not t]
+            before = [(v._version, graph_hash([v])) for _, v in views if not _is_fake(v)]
+            out = functional_call(template_ref(), params, (h,))
+            # A write into a reshaped member reaches its slice through the view,
+            # except from ops that update an argument from C++ in lazy mode
+            # (batch_norm's running stats): copy those back so scan sees them.
+            for (t, v), (version, digest) in zip([tv for tv in views if not _is_fake(tv[1])], before):
+                if v._version != version or graph_hash([v]) != digest:
+                    t.copy_(v.reshape(t.shape))
+            return out, None
 
         steps[key] = step
     return steps[key]
@@ -1271,6 +1345,32 @@ def scan_layers(
         else:
             with torch.no_grad():
                 stacked.append(_Stack.apply(*members))
-    step = _layer_step(layers[0], names, [tuple(states[0][name].shape) for name in names])
-    out, _ = scan(step, x, stacked, partition_fn=partition_fn, is_fn_pure=is_layer_pure)
+    shapes = [tuple(states[0][name].shape) for name in names]
+    step = _layer_step(layers[0], names, shapes)
+    _, x_spec = pytree.tree_flatten(stacked)
+    params = {name for name, _ in layers[0].named_parameters()}
+
+    def only_buffers(written: list[int]) -> None:
+        # A write into a parameter would bypass autograd and the optimizer.
+        for j in written:
+            if names[j] in params:
+                raise RuntimeError(
+                    f"scan_layers: {type(layers[0]).__name__}.forward writes into its parameter '{names[j]}' "
+                    f"in place; scan_layers cannot keep that write. Update parameters outside the forward (an "
+                    f"optimizer step), or keep the value in a buffer."
+                )
+
+    (out,), _, updated = _scan_flat(step, pytree.tree_flatten(x)[1], x_spec, [x], stacked, len(layers), False,
+                                    partition_fn, is_layer_pure, check_written=only_buffers)
+    if updated:
+        _write_back_buffers(states, names, shapes, updated)
     return out
+
+
+def _write_back_buffers(states: list[dict[str, torch.Tensor]], names: list[str], shapes: list[tuple[int, ...]],
+                        updated: dict[int, torch.Tensor]) -> None:
+    """Copy the buffer values each layer's iteration left behind into that layer's buffers, as the loop would."""
+    with torch.no_grad():
+        for j, stacked_value in updated.items():
+            for state, value in zip(states, _unstack(stacked_value, shapes[j])):
+                state[names[j]].copy_(value)
