@@ -20,9 +20,27 @@ from torch_xla_ext.distributed import (
     replicate,
 )
 from torch_xla_ext.testing import measure_transfers
+from torch_xla_ext.testing.tolerances import tolerance
 
 X = torch_xla._XLAC
 FSDP8 = "{devices=[8,1]0,1,2,3,4,5,6,7}"
+FSDP8_1D = "{devices=[8]0,1,2,3,4,5,6,7}"
+EXACT = {"atol": 0.0, "rtol": 0.0}  # values copied or moved, never computed
+
+# The tiny decoder: vocabulary, width, layers; a batch of 8 x 6 tokens.
+VOCAB, WIDTH, LAYERS, TOKENS = 32, 16, 4, 48
+STEPS = 3
+# Longest accumulation feeding one trained value: per step, each block's
+# LayerNorm (WIDTH), up (WIDTH) and down (2 * WIDTH) reductions, the head and
+# the softmax (VOCAB), the mean over tokens (TOKENS), for every step.
+TRAIN_TOL = tolerance(torch.float32, STEPS * (LAYERS * 4 * WIDTH + VOCAB + TOKENS))
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every random draw of a test (module init, randn, XLA RNG) is seeded."""
+    torch.manual_seed(0)
+    torch_xla.manual_seed(0)
 
 
 def spec(t: torch.Tensor) -> str:
@@ -43,7 +61,7 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """A tiny decoder whose embedding is tied to the LM head."""
 
-    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 4, use_scan: bool = True) -> None:
+    def __init__(self, vocab: int = VOCAB, d: int = WIDTH, layers: int = LAYERS, use_scan: bool = True) -> None:
         super().__init__()
         self.use_scan = use_scan
         self.embed = nn.Embedding(vocab, d)
@@ -73,7 +91,7 @@ def shard_decoder(model: Decoder, mesh, **kw) -> Decoder:
     return model
 
 
-def batch(device, mesh, vocab=32):
+def batch(device, mesh, vocab=VOCAB):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (8, 6), generator=g)
     targets = torch.randint(0, vocab, (8, 6), generator=g)
@@ -88,18 +106,16 @@ def loss_fn(model, tokens, targets):
     return nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.parametrize("use_scan", [True, False], ids=["scan_layers", "loop"])
-def test_tiny_decoder_trains_like_unsharded_eager(device, mesh, use_scan):
-    torch.manual_seed(0)
-    reference = Decoder(use_scan=False)
-    model = copy.deepcopy(reference)
-    model.use_scan = use_scan
-    shard_decoder(model, mesh)
-    assert model.embed.weight is model.head.weight
+def train_like_eager(model: Decoder, reference: Decoder, device, mesh) -> None:
+    """STEPS of SGD on the sharded model and on an unsharded eager CPU reference; they must agree.
+
+    Each sharded step moves nothing to the host, and every parameter and
+    gradient keeps fully_shard's sharding.
+    """
     (tokens, targets), (tx, gx) = batch(device, mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for _ in range(3):
+    for _ in range(STEPS):
         with measure_transfers() as m:
             with txe.no_host_transfers():
                 opt.zero_grad(set_to_none=True)
@@ -112,13 +128,23 @@ def test_tiny_decoder_trains_like_unsharded_eager(device, mesh, use_scan):
         ref_loss = loss_fn(reference, tokens, targets)
         ref_loss.backward()
         ref_opt.step()
-        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), **TRAIN_TOL)
         for name, p in model.named_parameters():
-            expected = FSDP8 if p.dim() == 2 else "{devices=[8]0,1,2,3,4,5,6,7}"
+            expected = FSDP8 if p.dim() == 2 else FSDP8_1D
             assert spec(p) == expected, name
             assert spec(p.grad) == spec(p), name
     for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(p.cpu(), r.detach(), atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(p.cpu(), r.detach(), **TRAIN_TOL, msg=name)
+
+
+@pytest.mark.parametrize("use_scan", [True, False], ids=["scan_layers", "loop"])
+def test_tiny_decoder_trains_like_unsharded_eager(device, mesh, use_scan):
+    reference = Decoder(use_scan=False)
+    model = copy.deepcopy(reference)
+    model.use_scan = use_scan
+    shard_decoder(model, mesh)
+    assert model.embed.weight is model.head.weight
+    train_like_eager(model, reference, device, mesh)
 
 
 def test_class_swap_keeps_module_identity_and_state_dict_keys(mesh):
@@ -131,26 +157,173 @@ def test_class_swap_keeps_module_identity_and_state_dict_keys(mesh):
     assert list(model.state_dict()) == list(reference.state_dict())
     for (key, value), ref in zip(model.state_dict().items(), reference.state_dict().values()):
         assert value.device.type == "xla"
-        torch.testing.assert_close(value.cpu(), ref, msg=key)  # the unsharded values
+        torch.testing.assert_close(value.cpu(), ref, **EXACT, msg=key)  # the unsharded values
 
 
-def test_load_state_dict_into_a_fresh_sharded_model(device, mesh):
-    torch.manual_seed(0)
-    trained = shard_decoder(Decoder(), mesh)
+def trained_state(mesh) -> tuple[Decoder, dict[str, torch.Tensor]]:
+    """A sharded decoder whose parameters were updated on the device, and its state on the host."""
+    torch.manual_seed(2)
+    trained = shard_decoder(Decoder(use_scan=False), mesh)
     with torch.no_grad():
         for p in trained.parameters():
-            p.add_(0.25)
+            p.add_(0.01)
     torch_xla.sync()
-    saved = {k: v.cpu() for k, v in trained.state_dict().items()}
+    return trained, {k: v.cpu() for k, v in trained.state_dict().items()}
+
+
+def state_dict_from(source: str, trained: Decoder, saved: dict, device, mesh) -> dict[str, torch.Tensor]:
+    """The same values held as: host tensors; the trained model's own XLA state dict (sharded like
+    the target); XLA tensors left unsharded; XLA tensors sharded on another dimension where one divides.
+    Tied keys share one tensor, as in a state_dict() of a tied model."""
+    if source == "cpu":
+        return dict(saved)
+    if source == "xla":
+        return trained.state_dict()
+    out = {}
+    for key, value in saved.items():
+        t = value.to(device)
+        if source == "xla_other" and t.dim() == 2 and t.shape[1] % 8 == 0:
+            xs.mark_sharding(t, mesh, (None, "fsdp"))
+        out[key] = t
+    out["head.weight"] = out["embed.weight"]
+    torch_xla.sync()
+    return out
+
+
+def assert_bookkeeping(model: nn.Module) -> None:
+    """Every current parameter is managed by exactly one state, under the name that reaches it."""
+    managed = []
+    for m in get_fully_sharded_modules(model):
+        for fqn, p in m.managed_named_parameters():
+            assert m.get_parameter(fqn) is p, fqn
+            managed.append(p)
+    assert sorted(map(id, managed)) == sorted(map(id, model.parameters()))
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+@pytest.mark.parametrize("source", ["cpu", "xla", "xla_replicated", "xla_other"])
+def test_load_state_dict_keeps_sharding_ties_and_bookkeeping(device, mesh, source, assign):
+    trained, saved = trained_state(mesh)
+    state_dict = state_dict_from(source, trained, saved, device, mesh)
     torch.manual_seed(1)
-    fresh = shard_decoder(Decoder(), mesh)
-    before = {n: spec(p) for n, p in fresh.named_parameters()}
-    fresh.load_state_dict(saved)
+    fresh = shard_decoder(Decoder(use_scan=False), mesh)
     torch_xla.sync()
-    for key, value in fresh.state_dict().items():
-        torch.testing.assert_close(value.cpu(), saved[key], msg=key)
-    assert {n: spec(p) for n, p in fresh.named_parameters()} == before
+    before = dict(fresh.named_parameters())
+    shardings = {n: spec(p) for n, p in before.items()}
+    with measure_transfers() as m:
+        fresh.load_state_dict(state_dict, assign=assign)
+        torch_xla.sync()
+    assert m.d2h_transfers == 0 and m.d2h_bytes == 0 and m.replicate_sharded_data == 0, m.report()
+    if source == "cpu":  # each value uploaded once, already sharded (not replicated to all 8 devices)
+        assert m.h2d_bytes == sum(v.numel() * v.element_size() for k, v in saved.items() if k != "head.weight"), \
+            m.report()
+    assert {n: spec(p) for n, p in fresh.named_parameters()} == shardings
     assert fresh.embed.weight is fresh.head.weight
+    after = dict(fresh.named_parameters())
+    if assign:  # the state dict's tensors became the parameters
+        assert all(after[n] is not before[n] for n in before)
+    else:  # copied in place: the same parameter objects
+        assert all(after[n] is before[n] for n in before)
+    assert_bookkeeping(fresh)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value.cpu(), saved[key], **EXACT, msg=key)
+
+
+@pytest.mark.parametrize("source", ["cpu", "xla"])
+def test_training_after_load_with_assign_updates_the_loaded_parameters(device, mesh, source):
+    trained, saved = trained_state(mesh)
+    state_dict = state_dict_from(source, trained, saved, device, mesh)
+    torch.manual_seed(1)
+    model = shard_decoder(Decoder(use_scan=False), mesh)
+    model.load_state_dict(state_dict, assign=True)
+    reference = Decoder(use_scan=False)
+    reference.load_state_dict(saved)
+    train_like_eager(model, reference, device, mesh)
+
+
+def test_load_state_dict_assign_refuses_what_it_cannot_keep_sharded_before_changing_anything(device, mesh):
+    _, saved = trained_state(mesh)
+    torch.manual_seed(1)
+    fresh = shard_decoder(Decoder(use_scan=False), mesh)
+    torch_xla.sync()
+    params = dict(fresh.named_parameters())
+    values = {n: p.cpu() for n, p in params.items()}
+    shardings = {n: spec(p) for n, p in params.items()}
+    managed = [list(m.managed_named_parameters()) for m in get_fully_sharded_modules(fresh)]
+
+    def assert_unchanged() -> None:
+        now = dict(fresh.named_parameters())
+        assert list(now) == list(params) and all(now[n] is params[n] for n in params)
+        assert {n: spec(p) for n, p in now.items()} == shardings
+        for n, p in now.items():
+            torch.testing.assert_close(p.cpu(), values[n], **EXACT, msg=n)
+        assert [list(m.managed_named_parameters()) for m in get_fully_sharded_modules(fresh)] == managed
+
+    last = list(saved)[-1]  # every other key would be assigned before torch reached it
+    on_meta = {**saved, last: torch.empty(saved[last].shape, device="meta")}
+    with pytest.raises(ValueError, match=rf"cannot assign '{last}': the tensor is on meta.*assign=False"):
+        fresh.load_state_dict(on_meta, assign=True)
+    assert_unchanged()
+
+    untied = {**saved, "head.weight": saved["embed.weight"] + 1}
+    with pytest.raises(ValueError, match=r"'embed.weight' and 'head.weight' are one tied parameter.*same tensor "
+                                         r"under both keys.*assign=False"):
+        fresh.load_state_dict(untied, assign=True)
+    assert_unchanged()
+
+    separate = {**saved, "embed.weight": saved["embed.weight"].to(device), "head.weight": saved["embed.weight"].to(device)}
+    with pytest.raises(ValueError, match="one tied parameter"):
+        fresh.load_state_dict(separate, assign=True)
+    assert_unchanged()
+
+    fresh.load_state_dict({**saved, "head.weight": saved["embed.weight"].clone()}, assign=True)  # equal values: fine
+    assert fresh.embed.weight is fresh.head.weight
+    assert_bookkeeping(fresh)
+
+
+def test_load_state_dict_with_assign_into_a_submodule_keeps_ties_and_sharding(device, mesh):
+    model = TiedAcrossLayers()
+    for m in list(model.layers) + [model]:
+        fully_shard(m, mesh=mesh)
+    linear = model.layers[0][0]  # a plain nn.Linear inside the fully sharded layers[0]
+    old = linear.weight
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    with measure_transfers() as m:
+        linear.load_state_dict({"weight": weight, "bias": bias}, assign=True)
+        torch_xla.sync()
+    assert not m.device_to_host, m.report()
+    new = linear.weight
+    assert new is not old and model.layers[3][0].weight is new  # the tie survives
+    assert spec(new) == FSDP8 and spec(linear.bias) == FSDP8_1D
+    assert [p for _, p in model.managed_named_parameters()] == [new]
+    assert [p for _, p in model.layers[0].managed_named_parameters()] == [linear.bias]
+    assert_bookkeeping(model)
+    torch.testing.assert_close(new.cpu(), weight, **EXACT)
+    torch.testing.assert_close(linear.bias.cpu(), bias, **EXACT)
+    # Gradients reach the loaded parameters and are sharded like them.
+    h = torch.randn(16, 8, generator=g).to(device)
+    for layer in model.layers:
+        h = layer(h)
+    h.sum().backward()
+    torch_xla.sync()
+    assert spec(new.grad) == FSDP8 and spec(linear.bias.grad) == FSDP8_1D
+
+
+def test_load_state_dict_with_swapping_parameters_is_refused(mesh):
+    model = fully_shard(nn.Linear(8, 16), mesh=mesh)
+    saved = {k: v.cpu() + 1 for k, v in model.state_dict().items()}
+    weight = model.weight
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"set_swap_module_params_on_conversion\(True\).*Set it to False"):
+            model.load_state_dict(saved)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert model.weight is weight and spec(weight) == FSDP8
+    model.load_state_dict(saved)
+    torch.testing.assert_close(model.weight.cpu(), saved["weight"], **EXACT)
 
 
 def test_each_parameter_is_managed_by_exactly_one_state(mesh):
@@ -253,7 +426,6 @@ def _step_hlo_opcodes(model, device, mesh) -> list[str]:
 @pytest.mark.parametrize("reshard", [True, False])
 def test_reshard_after_forward_puts_an_optimization_barrier_before_the_backward_gather(
         device, mesh, reshard, use_scan):
-    torch.manual_seed(0)
     model = shard_decoder(Decoder(use_scan=use_scan), mesh, reshard_after_forward=reshard)
     ops = _step_hlo_opcodes(model, device, mesh)
     barriers = ops.count("opt-barrier")
@@ -282,15 +454,35 @@ def test_reshard_after_forward_in_scan_does_not_stack_gathered_weights(device, m
     assert loop_state_elements(False) - loop_state_elements(True) >= gathered_weights
 
 
-def test_mixed_precision(device, mesh):
-    torch.manual_seed(0)
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["reduce_f32", "reduce_in_compute_dtype"])
+def test_mixed_precision(device, mesh, reduce_dtype):
     model = shard_decoder(Decoder(use_scan=False), mesh, mp_policy=MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+        param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, output_dtype=torch.float32))
     (_, _), (tx, gx) = batch(device, mesh)
     logits = model(tx)
-    assert logits.dtype == torch.float32
-    loss_fn(model, tx, gx).backward()
+    assert logits.dtype == torch.float32  # output_dtype
+    loss = loss_fn(model, tx, gx)
+    loss.backward()
+    ctx = txe.LoweringContext("mixed_precision")
+    ctx.build([loss] + [p.grad for p in model.parameters()])
+    dots, gathers, scatters = [], 0, []
+    for comp in ctx.module.computations:
+        for inst in comp.instructions:
+            if inst.opcode == "dot":
+                dots.append(inst.shape.element_type)
+            elif inst.opcode == "custom-call" and inst.custom_call_target == "Sharding" and inst.sharding is not None:
+                if inst.sharding.is_replicated:
+                    gathers += inst.shape.element_type == "bf16"
+                elif inst.shape.dimensions in {tuple(p.shape) for p in model.parameters()}:
+                    scatters.append(inst.shape.element_type)
     torch_xla.sync()
+    n_params = len(list(model.parameters()))
+    assert dots.count("bf16") >= 3 * LAYERS  # param_dtype: the blocks compute in bf16
+    assert gathers >= n_params  # each parameter is gathered after its cast to bf16
+    if reduce_dtype is torch.float32:  # gradients are reduce-scattered in f32
+        assert "bf16" not in scatters and scatters.count("f32") >= n_params
+    else:  # ... or in the compute dtype
+        assert scatters.count("bf16") >= n_params
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
         assert spec(p.grad) == spec(p), name
@@ -357,7 +549,6 @@ def test_fully_shard_on_a_3000_deep_module_chain(mesh):
 
 
 def test_fully_sharded_module_outputs_stay_batch_sharded(device, mesh):
-    torch.manual_seed(0)
     model = shard_decoder(Decoder(use_scan=False), mesh)
     (_, _), (tx, _) = batch(device, mesh)
     h = model.embed(tx)

@@ -22,11 +22,34 @@ enclosing ``fully_shard`` neither traverses nor manages it, including any
 
 Data movement: sharding parameters that are still on the host uploads them
 once, at ``fully_shard`` time. Forward and backward move nothing to the host.
+
+``load_state_dict`` keeps the sharding and the bookkeeping, whether it is called
+on a fully sharded module, an ancestor, or a submodule:
+
+- ``assign=False`` (the default) copies into the existing sharded parameters in
+  place. Host tensors in the state dict are uploaded (their bytes, once); XLA
+  tensors are copied on the device, and one sharded differently is resharded
+  there. Nothing moves from the device to the host.
+- ``assign=True`` makes the state dict's tensors the parameters, then places
+  them as ``fully_shard`` does: a host tensor is uploaded and sharded, an XLA
+  tensor is kept (it aliases the state dict's tensor, as in torch) and resharded
+  on the device only if its sharding differs. The new parameters get the
+  gradient sharding hook, ``managed_named_parameters()`` lists them, and tied
+  parameters stay tied (every key of a tied parameter must then hold the same
+  data). Optimizers built before the load still hold the old parameters, as for
+  any module loaded with ``assign=True``: build them after loading. Nothing
+  moves from the device to the host.
+
+Problems (a tensor on another device, tied keys holding different data) raise
+before anything changes under the outermost fully sharded module the call
+reaches: called on the fully sharded root, the check covers every managed
+parameter before any is replaced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -285,6 +308,64 @@ class _FSDPState:
         self.ignored_params = ignored_params
         self.managed: list[tuple[str, nn.Parameter]] = []
         self.slots: list[_Slot] = []
+        self._spec_texts: dict[tuple[tuple, int], str] = {}
+
+    def spec_text(self, spec: tuple, param: torch.Tensor) -> str:
+        """The sharding string ``param`` carries once placed with ``spec`` ('' when replicated)."""
+        key = (spec, param.dim())
+        text = self._spec_texts.get(key)
+        if text is None:
+            text = self._spec_texts[key] = _spec_string(self.mesh, spec, param)
+        return text
+
+    def adopt(self, replaced: dict[int, nn.Parameter | None]) -> None:
+        """After ``load_state_dict``: make each registration's current parameter the managed one.
+
+        ``replaced`` maps ``id(old managed parameter)`` to the parameter that
+        replaces it (None: kept). Every registration of a tied parameter is
+        pointed at its replacement, which is placed on the device with the
+        slot's sharding (see :meth:`place`).
+        """
+        groups: dict[int, list[_Slot]] = {}
+        for slot in self.slots:
+            if id(slot.param) in replaced:
+                groups.setdefault(id(slot.param), []).append(slot)
+        changed = False
+        for key, slots in groups.items():
+            new = replaced[key]
+            if new is None:
+                new = slots[0].param
+            for slot in slots:
+                if slot.holder._parameters.get(slot.name) is not new:
+                    slot.holder._parameters[slot.name] = new
+                changed |= slot.param is not new
+                slot.param = new
+            self.place(new, slots[0].spec)
+        if changed:
+            self.managed = _unique_managed(self.slots)
+
+    def place(self, p: nn.Parameter, spec: tuple) -> None:
+        """Put ``p`` on the XLA device with partition ``spec``, in place, with the gradient hook.
+
+        A host tensor is uploaded and sharded (host to device only); an XLA
+        tensor whose sharding differs is resharded on the device. Nothing moves
+        from the device to the host.
+        """
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        if p.device.type != "xla":
+            _move_to(p, torch_xla.device())
+            if any(s is not None for s in spec):
+                xs.mark_sharding(p, self.mesh, spec)
+        elif _current_spec(p) != self.spec_text(spec, p):
+            # mark_sharding would read device data back to the host; an
+            # annotated copy is resharded by the compiler on the device.
+            with torch.no_grad():
+                p.copy_(annotate_sharding(p.detach(), self.mesh, spec))
+        if _applied_spec(p) is None:
+            _record_applied(p, spec)
+            p.register_hook(_grad_sharder(self.mesh, spec))
 
     def forward(self, forward: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         mp = self.mp_policy
@@ -410,6 +491,173 @@ def _plan(top: nn.Module, fsdp_ids: set[int], ignored: Iterable[nn.Parameter]) -
 
 
 # --------------------------------------------------------------------------- #
+# load_state_dict.
+# --------------------------------------------------------------------------- #
+
+# On every module holding a managed registration: {local name: (state, slot)}.
+_OWNERS = "_txe_fsdp_owners"
+_LOAD_HOOKS = "_txe_fsdp_load_hooks"
+_load_local = threading.local()
+
+
+@dataclasses.dataclass
+class _LoadSession:
+    """One ``load_state_dict`` call, opened by the outermost hooked module it reaches.
+
+    torch passes the same ``missing_keys`` list to every module of one call
+    (and to the post-hooks, in ``incompatible_keys``), so that list identifies
+    the call; a session left open by a call that raised is never mistaken for
+    a later one.
+    """
+
+    owner: nn.Module
+    missing_keys: list
+    registrations: list[tuple[nn.Module, str]]
+
+
+def _hook_loads(module: nn.Module) -> None:
+    if not module.__dict__.get(_LOAD_HOOKS, False):
+        module.register_load_state_dict_pre_hook(_load_pre_hook)
+        module.register_load_state_dict_post_hook(_load_post_hook)
+        module.__dict__[_LOAD_HOOKS] = True
+
+
+def _registrations_under(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """``(holder, local name, key relative to module)`` of every managed registration under ``module``."""
+    tree = module_tree(module)
+    found = []
+    for i, holder in enumerate(tree.modules):
+        owners = holder.__dict__.get(_OWNERS)
+        if owners:
+            base = tree.fqn(i)
+            found.extend((holder, name, f"{base}.{name}" if base else name) for name in owners)
+    return found
+
+
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two state dict tensors certainly hold the same values, without a device-to-host transfer."""
+    if a is b:
+        return True
+    if a.device != b.device or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.device.type == "xla":
+        import torch_xla
+
+        try:  # the same device buffer (state_dict() of a tied model gives that)
+            ha, hb = torch_xla._XLAC._get_tensors_handle([a, b])
+        except RuntimeError:  # a pending computation: unknown without running it
+            return False
+        return ha == hb
+    if (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride()):
+        return True
+    return bool(torch.equal(a, b))  # host memory only
+
+
+def _check_assignable(registrations: list[tuple[nn.Module, str, str]], state_dict: dict, prefix: str) -> None:
+    """Raise, before anything is assigned, what ``load_state_dict(assign=True)`` could not keep sharded."""
+    tied: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for holder, name, key in registrations:
+        key = prefix + key
+        value = state_dict.get(key)
+        param = holder._parameters.get(name)
+        if value is None or param is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            continue  # torch reports missing keys, non-tensors and shape mismatches itself
+        _, slot = holder.__dict__[_OWNERS][name]
+        if value.device.type not in ("cpu", "xla"):
+            raise ValueError(
+                f"load_state_dict(assign=True) cannot assign '{key}': the tensor is on {value.device}, and a fully "
+                f"sharded parameter lives on the XLA device. Pass CPU or XLA tensors (CPU tensors are uploaded and "
+                f"sharded like the parameter they replace), or load with assign=False (the default), which copies "
+                f"into the existing sharded parameter.")
+        applied = _applied_spec(value)
+        if applied is not None and applied != slot.spec:
+            raise ValueError(
+                f"load_state_dict(assign=True) cannot assign '{key}': it is a parameter fully_shard already sharded "
+                f"as {applied} for another module, and this module shards it as {slot.spec}. Load with "
+                f"assign=False (the default), which copies its values into this module's own parameter.")
+        tied.setdefault(id(slot.param), []).append((key, value))
+    for entries in tied.values():
+        first_key, first = entries[0]
+        for key, value in entries[1:]:
+            if not _same_data(first, value):
+                raise ValueError(
+                    f"load_state_dict(assign=True): '{first_key}' and '{key}' are one tied parameter, but the state "
+                    f"dict holds different tensors for them (values that differ, or separate XLA tensors that cannot "
+                    f"be compared without a device-to-host transfer); assigning both would untie them. Pass the same "
+                    f"tensor under both keys, or load with assign=False (the default), which copies into the tied "
+                    f"parameter in place.")
+
+
+def _stage_host_values(registrations: list[tuple[nn.Module, str, str]], state_dict: dict, prefix: str) -> None:
+    """Upload the host values ``assign=False`` will copy, already sharded like their parameters.
+
+    ``param.copy_(host_tensor)`` would upload the whole tensor to every device
+    and reshard it there (8x the bytes, and a full copy in each device's
+    memory); a sharded upload sends each shard once. ``state_dict`` is
+    torch's per-call copy, so the caller's dict is not modified. The keys of
+    a tied parameter that hold the same values are uploaded once.
+    """
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # id(parameter) -> [(host value, upload)]
+    for holder, name, key in registrations:
+        key = prefix + key
+        value = state_dict.get(key)
+        param = holder._parameters.get(name)
+        if (not isinstance(value, torch.Tensor) or value.device.type != "cpu" or param is None
+                or param.device.type != "xla" or value.shape != param.shape):
+            continue  # left to torch: it reports what does not fit
+        state, slot = holder.__dict__[_OWNERS][name]
+        uploads = staged.setdefault(id(slot.param), [])
+        upload = next((up for host, up in uploads if _same_data(host, value)), None)
+        if upload is None:
+            upload = value.detach().to(torch_xla.device())
+            if any(s is not None for s in slot.spec):
+                xs.mark_sharding(upload, state.mesh, slot.spec)
+            uploads.append((value, upload))
+        state_dict[key] = upload
+
+
+def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                   missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    session = getattr(_load_local, "session", None)
+    if session is not None and session.missing_keys is missing_keys:
+        return  # an enclosing module of this call opened the session
+    if torch.__future__.get_swap_module_params_on_conversion():
+        raise RuntimeError(
+            "load_state_dict into a fully sharded module does not support "
+            "torch.__future__.set_swap_module_params_on_conversion(True): swapping would drop the parameters' "
+            "sharding and gradient hooks. Set it to False around load_state_dict; assign=False and assign=True "
+            "both keep the sharding without it.")
+    registrations = _registrations_under(module)
+    if local_metadata.get("assign_to_params_buffers", False):
+        _check_assignable(registrations, state_dict, prefix)
+    else:
+        _stage_host_values(registrations, state_dict, prefix)
+    _load_local.session = _LoadSession(module, missing_keys, [(h, n) for h, n, _ in registrations])
+
+
+def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    session = getattr(_load_local, "session", None)
+    if session is None or session.owner is not module or session.missing_keys is not incompatible_keys.missing_keys:
+        return
+    _load_local.session = None
+    # Per state: {id(old managed parameter): its replacement, or None}; the first registration that changed wins
+    # (tied registrations were checked to hold the same data).
+    replaced: dict[int, tuple[_FSDPState, dict[int, nn.Parameter | None]]] = {}
+    for holder, name in session.registrations:
+        state, slot = holder.__dict__[_OWNERS][name]
+        current = holder._parameters.get(name)
+        per_state = replaced.setdefault(id(state), (state, {}))[1]
+        if per_state.get(id(slot.param)) is None:
+            per_state[id(slot.param)] = current if current is not None and current is not slot.param else None
+    for state, per_state in replaced.values():
+        state.adopt(per_state)
+
+
+# --------------------------------------------------------------------------- #
 # Public API.
 # --------------------------------------------------------------------------- #
 
@@ -441,7 +689,9 @@ def fully_shard(
       ignored_params: parameters this state must not manage.
 
     Returns ``module`` itself, now also an :class:`FSDPModule`. Every check
-    runs before any parameter is moved or sharded.
+    runs before any parameter is moved or sharded. ``load_state_dict`` keeps
+    this sharding with ``assign=False`` and ``assign=True`` alike and moves
+    nothing from the device to the host (see the module docstring).
     """
     import torch_xla
     import torch_xla.distributed.spmd as xs
@@ -508,12 +758,21 @@ def fully_shard(
     module.__dict__[_STATE] = state
     module.__class__ = _fsdp_class(type(module))
     _registry.add(module)
-    for m in fsdp:  # ownership may have moved between states (shared parameters)
+    states = {id(_state(m)) for m in fsdp}
+    for m in tree_modules:  # ownership may have moved between states (shared parameters)
+        owners = m.__dict__.get(_OWNERS)
+        if owners:
+            for name in [n for n, (st, _) in owners.items() if id(st) in states]:
+                del owners[name]
+    for m in fsdp:
         s = _state(m)
         s.slots = [sl for sl in plan[id(m)]]
         for sl in s.slots:
             sl.spec = _applied_spec(sl.param) or sl.spec
+            sl.holder.__dict__.setdefault(_OWNERS, {})[sl.name] = (s, sl)
+            _hook_loads(sl.holder)
         s.managed = _unique_managed(s.slots)
+        _hook_loads(m)
     replicated = [sub for m in module_tree(module).modules if _is_replicated(m) for sub in module_tree(m).modules]
     annotate_modules_for_dynamo(module, replicated, True)
     return module  # type: ignore[return-value]
