@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,11 @@ def test_demo_runs_on_default_cpu_devices():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "8 devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=8" in out
-    assert "seed" in out and "input" in out and "hoisted" in out  # parameter kinds
+    # The parameter table: one row per HLO parameter, one RNG seed, one input, the rest hoisted weights.
+    declared = int(re.search(r"HLO module .*?(\d+) parameters", out).group(1))
+    kinds = [line.split()[-1] for line in out.splitlines() if re.match(r"\d+\s+p\d+", line)]
+    assert len(kinds) == declared >= 3, out
+    assert kinds.count("seed") == 1 and kinds.count("input") == 1 and kinds.count("hoisted") == declared - 2, kinds
     host = next(line for line in out.splitlines() if line.startswith("host mapping"))
     device = next(line for line in out.splitlines() if line.startswith("device mapping"))
     assert "0 B" in device.split("ms", 1)[1]  # nothing moved to the host
@@ -33,10 +38,12 @@ def test_demo_runs_on_default_cpu_devices():
     assert "tied weight kept: True" in out  # fully_shard section
     assert "bytes moved device->host inside the training steps: 0;" in out
     assert "every gradient sharded like its parameter: True" in out
+    first, last = map(float, re.search(r"^loss (\S+) -> (\S+);", out, re.M).groups())
+    assert last < first  # the sharded training steps do update the weights
 
 
 def test_audit_reports_a_saved_module(tmp_path, capsys, device):
-    a = torch.randn(4, 4).to(device)
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)).to(device)
     torch_xla.sync()
     ctx = txe.LoweringContext("audited")
     ctx.build([a @ a + 1.5])

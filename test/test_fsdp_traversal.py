@@ -21,7 +21,16 @@ from torch_xla_ext.distributed._lca import SharedParamInfo, get_shared_param_inf
 from torch_xla_ext.distributed._traversal import lr_dfs, lr_dfs_modules, module_tree
 
 DEEP = 3000
-_SETTINGS = settings(max_examples=150, deadline=None)
+# Derandomized: the same 150 examples on every run (hypothesis derives them from
+# each test's source), so a pass or a failure reproduces; no deadline, since CI
+# machines vary in speed.
+_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Parameter initializations (nn.Linear, nn.Embedding) draw from a seeded generator."""
+    torch.manual_seed(0)
 
 
 # --------------------------------------------------------------------------- helpers
