@@ -8,7 +8,6 @@
 #include <limits>
 #include <numeric>
 #include <string>
-#include <unordered_set>
 
 namespace txe {
 namespace hlo {
@@ -105,6 +104,121 @@ class ScopedFrame {
   Context& ctx_;
 };
 
+// Byte budget of one parse (see hlo_reader.h). Charges are upper estimates
+// of what a step allocates, made before the allocation where the size is
+// known up front; nothing is credited back.
+class Budget {
+ public:
+  // `input_size` is the size of the bytes being read; `ctx` (may be null)
+  // names the field in error messages.
+  Budget(std::size_t input_size, const Context* ctx)
+      : input_size_(input_size), ctx_(ctx) {
+    std::size_t limit;
+    if (__builtin_mul_overflow(input_size, kBudgetBytesPerInputByte, &limit) ||
+        __builtin_add_overflow(limit, kBudgetBaseBytes, &limit)) {
+      limit = std::numeric_limits<std::size_t>::max();
+    }
+    limit_ = limit;
+  }
+
+  // Charges decoded data; throws ParseError naming `offset` when the total
+  // would pass the limit.
+  void Charge(std::size_t bytes, std::size_t offset) {
+    if (bytes > limit_ - used_) Fail(bytes, offset);
+    used_ += bytes;
+  }
+
+  // Charges `count` items of `each` bytes (saturating).
+  void ChargeItems(std::size_t count, std::size_t each, std::size_t offset) {
+    std::size_t bytes;
+    if (__builtin_mul_overflow(count, each, &bytes)) {
+      bytes = std::numeric_limits<std::size_t>::max();
+    }
+    Charge(bytes, offset);
+  }
+
+  // Charges a list derived from an iota description (whose length does not
+  // follow from the input size): true when it fits in what is left of half
+  // the budget, false (nothing charged) otherwise.
+  bool TryChargeExpansion(std::size_t bytes) {
+    if (bytes > limit_ / 2 - expanded_ || bytes > limit_ - used_) return false;
+    expanded_ += bytes;
+    used_ += bytes;
+    return true;
+  }
+
+  // Takes `n` device ids of an expansion, each charged `bytes_each`, within
+  // the per-list and per-module device caps and the budget.
+  bool TakeDevices(int64_t n, std::size_t bytes_each) {
+    if (n < 0 || n > kMaxExpandedDevices || n > devices_remaining_) {
+      return false;
+    }
+    // n <= 2^18 and bytes_each is a small constant: no overflow.
+    if (!TryChargeExpansion(static_cast<std::size_t>(n) * bytes_each)) {
+      return false;
+    }
+    devices_remaining_ -= n;
+    return true;
+  }
+
+  std::size_t used() const { return used_; }
+  std::size_t limit() const { return limit_; }
+
+  // Text bytes already paid for by the charges of materialized iota lists
+  // (the sharding printer takes its text charge from here first).
+  std::size_t prepaid_text = 0;
+
+ private:
+  [[noreturn]] void Fail(std::size_t bytes, std::size_t offset) const {
+    const char* root = ctx_ != nullptr ? ctx_->root : "input";
+    std::string msg = std::string(root) +
+                      " exceeds the reader's memory budget at byte offset " +
+                      std::to_string(offset);
+    if (ctx_ != nullptr) msg += " (in " + ctx_->Path() + ")";
+    msg += ": decoding it would take more than " + std::to_string(limit_) +
+           " bytes (" + std::to_string(used_) + " used, " +
+           std::to_string(bytes) + " more needed), the limit for a " +
+           std::to_string(input_size_) + "-byte input (" +
+           std::to_string(kBudgetBytesPerInputByte) + " bytes per input byte + " +
+           std::to_string(kBudgetBaseBytes) +
+           "); the input describes far more data than its size holds";
+    throw ParseError(msg, offset);
+  }
+
+  std::size_t input_size_;
+  const Context* ctx_;
+  std::size_t limit_ = 0;
+  std::size_t used_ = 0;
+  std::size_t expanded_ = 0;
+  int64_t devices_remaining_ = kMaxExpandedDevicesPerModule;
+};
+
+// Bytes charged per element of a decoded repeated integer field: at least 8,
+// so scratch copies of int32 lists (permutations, bit sets over their
+// length) are covered by the field's own charge.
+template <typename T>
+constexpr std::size_t kChargePerInt = sizeof(T) < 8 ? 8 : sizeof(T);
+
+// Makes room for `extra` more elements, growing the capacity geometrically
+// and charging the new capacity.
+template <typename T>
+void ReserveCharged(std::vector<T>& v, std::size_t extra, Budget& budget,
+                    std::size_t offset, std::size_t each = sizeof(T)) {
+  if (v.capacity() - v.size() >= extra) return;
+  const std::size_t cap = std::max(v.size() + extra, v.capacity() * 2);
+  budget.ChargeItems(cap, each, offset);
+  v.reserve(cap);
+}
+
+// Appends a default-constructed element, charging the growth.
+template <typename T>
+T& AppendCharged(std::vector<T>& v, Budget& budget, std::size_t offset,
+                 std::size_t each = sizeof(T)) {
+  ReserveCharged(v, 1, budget, offset, each);
+  v.emplace_back();
+  return v.back();
+}
+
 struct Tag {
   uint32_t field;
   int wire_type;
@@ -186,18 +300,29 @@ class Cursor {
     return sub;
   }
 
-  std::string ReadBytes() {
-    Cursor sub = ReadSub();
-    return std::string(reinterpret_cast<const char*>(base_ + sub.pos_),
-                       sub.end_ - sub.pos_);
+  // Upper bound of the varints left: the bytes that end one.
+  std::size_t CountVarints() const {
+    std::size_t n = 0;
+    for (std::size_t i = pos_; i < end_; ++i) n += (base_[i] & 0x80) == 0;
+    return n;
   }
 
-  std::string ReadString() {
+  std::string ReadBytes(Budget& budget) {
+    const std::size_t start = pos_;
+    Cursor sub = ReadSub();
+    const std::size_t n = sub.end_ - sub.pos_;
+    budget.Charge(n + 1, start);
+    return std::string(reinterpret_cast<const char*>(base_ + sub.pos_), n);
+  }
+
+  std::string ReadString(Budget& budget) {
+    const std::size_t start = pos_;
     Cursor sub = ReadSub();
     const uint8_t* p = base_ + sub.pos_;
     const std::size_t n = sub.end_ - sub.pos_;
     const std::size_t bad = FirstInvalidUtf8(p, n);
     if (bad != n) Fail("string field is not valid UTF-8", sub.pos_ + bad);
+    budget.Charge(n + 1, start);
     return std::string(reinterpret_cast<const char*>(p), n);
   }
 
@@ -322,11 +447,15 @@ class Cursor {
 // varint per tag; both are accepted. Other wire types are skipped as an
 // unknown field would be.
 template <typename T>
-void ReadRepeatedVarint(Cursor& c, const Tag& tag, std::vector<T>& out) {
+void ReadRepeatedVarint(Cursor& c, const Tag& tag, std::vector<T>& out,
+                        Budget& budget) {
   if (tag.wire_type == kVarint) {
-    out.push_back(static_cast<T>(static_cast<int64_t>(c.ReadVarint())));
+    const auto v = static_cast<T>(static_cast<int64_t>(c.ReadVarint()));
+    AppendCharged(out, budget, tag.offset, kChargePerInt<T>) = v;
   } else if (tag.wire_type == kLengthDelimited) {
     Cursor packed = c.ReadSub();
+    ReserveCharged(out, packed.CountVarints(), budget, tag.offset,
+                   kChargePerInt<T>);
     while (!packed.done()) {
       out.push_back(static_cast<T>(static_cast<int64_t>(packed.ReadVarint())));
     }
@@ -335,11 +464,15 @@ void ReadRepeatedVarint(Cursor& c, const Tag& tag, std::vector<T>& out) {
   }
 }
 
-void ReadRepeatedBool(Cursor& c, const Tag& tag, std::vector<bool>& out) {
+// std::vector<bool> packs bits; one byte per value covers its growth.
+void ReadRepeatedBool(Cursor& c, const Tag& tag, std::vector<bool>& out,
+                      Budget& budget) {
   if (tag.wire_type == kVarint) {
+    budget.Charge(1, tag.offset);
     out.push_back(c.ReadVarint() != 0);
   } else if (tag.wire_type == kLengthDelimited) {
     Cursor packed = c.ReadSub();
+    budget.Charge(packed.CountVarints(), tag.offset);
     while (!packed.done()) out.push_back(packed.ReadVarint() != 0);
   } else {
     c.Skip(tag);
@@ -366,19 +499,37 @@ void ReadBool(Cursor& c, const Tag& tag, bool& out) {
   if (ReadInt64(c, tag, v)) out = v != 0;
 }
 
-void ReadStringField(Cursor& c, const Tag& tag, std::string& out) {
+void ReadStringField(Cursor& c, const Tag& tag, std::string& out,
+                     Budget& budget) {
   if (tag.wire_type != kLengthDelimited) {
     c.Skip(tag);
     return;
   }
-  out = c.ReadString();
+  out = c.ReadString(budget);
+}
+
+// Number of length-delimited occurrences of `field` at the top level of the
+// message under `c`, for reserving its elements at once. Stops quietly at
+// malformed bytes (the decoding pass reports them).
+std::size_t CountMessages(Cursor c, uint32_t field) {
+  std::size_t n = 0;
+  try {
+    while (!c.done()) {
+      const Tag tag = c.ReadTag();
+      if (tag.field == field && tag.wire_type == kLengthDelimited) ++n;
+      c.Skip(tag);
+    }
+  } catch (const ParseError&) {
+  }
+  return n;
 }
 
 // ---------------------------------------------------------------------------
 // Message decoders. Each merges into its output, as protobuf does when a
 // singular message field occurs more than once.
 
-void DecodeShape(Cursor c, Shape& shape, Context& ctx) {
+void DecodeShape(Cursor c, Shape& shape, Context& ctx, Budget& budget) {
+  ReserveCharged(shape.tuple_shapes, CountMessages(c, 4), budget, c.pos());
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     switch (tag.field) {
@@ -386,7 +537,7 @@ void DecodeShape(Cursor c, Shape& shape, Context& ctx) {
         ReadInt32(c, tag, shape.element_type);
         break;
       case 3:  // dimensions
-        ReadRepeatedVarint(c, tag, shape.dimensions);
+        ReadRepeatedVarint(c, tag, shape.dimensions, budget);
         break;
       case 4:  // tuple_shapes
         if (tag.wire_type != kLengthDelimited) {
@@ -395,12 +546,12 @@ void DecodeShape(Cursor c, Shape& shape, Context& ctx) {
           ScopedFrame f(ctx, "tuple_shapes",
                         static_cast<int64_t>(shape.tuple_shapes.size()));
           Cursor sub = c.ReadMessage();
-          shape.tuple_shapes.emplace_back();
-          DecodeShape(sub, shape.tuple_shapes.back(), ctx);
+          DecodeShape(sub, AppendCharged(shape.tuple_shapes, budget, tag.offset),
+                      ctx, budget);
         }
         break;
       case 6:  // is_dynamic_dimension
-        ReadRepeatedBool(c, tag, shape.is_dynamic_dimension);
+        ReadRepeatedBool(c, tag, shape.is_dynamic_dimension, budget);
         break;
       default:  // layout (5) and anything newer
         c.Skip(tag);
@@ -408,7 +559,8 @@ void DecodeShape(Cursor c, Shape& shape, Context& ctx) {
   }
 }
 
-void DecodeOpSharding(Cursor c, OpSharding& s, Context& ctx) {
+void DecodeOpSharding(Cursor c, OpSharding& s, Context& ctx, Budget& budget) {
+  ReserveCharged(s.tuple_shardings, CountMessages(c, 5), budget, c.pos());
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     switch (tag.field) {
@@ -416,10 +568,10 @@ void DecodeOpSharding(Cursor c, OpSharding& s, Context& ctx) {
         ReadInt32(c, tag, s.type);
         break;
       case 3:
-        ReadRepeatedVarint(c, tag, s.tile_assignment_dimensions);
+        ReadRepeatedVarint(c, tag, s.tile_assignment_dimensions, budget);
         break;
       case 4:
-        ReadRepeatedVarint(c, tag, s.tile_assignment_devices);
+        ReadRepeatedVarint(c, tag, s.tile_assignment_devices, budget);
         break;
       case 5:
         if (tag.wire_type != kLengthDelimited) {
@@ -428,21 +580,22 @@ void DecodeOpSharding(Cursor c, OpSharding& s, Context& ctx) {
           ScopedFrame f(ctx, "tuple_shardings",
                         static_cast<int64_t>(s.tuple_shardings.size()));
           Cursor sub = c.ReadMessage();
-          s.tuple_shardings.emplace_back();
-          DecodeOpSharding(sub, s.tuple_shardings.back(), ctx);
+          DecodeOpSharding(sub,
+                           AppendCharged(s.tuple_shardings, budget, tag.offset),
+                           ctx, budget);
         }
         break;
       case 6:
         ReadBool(c, tag, s.replicate_on_last_tile_dim);
         break;
       case 8:
-        ReadRepeatedVarint(c, tag, s.last_tile_dims);
+        ReadRepeatedVarint(c, tag, s.last_tile_dims, budget);
         break;
       case 9:
-        ReadRepeatedVarint(c, tag, s.iota_reshape_dims);
+        ReadRepeatedVarint(c, tag, s.iota_reshape_dims, budget);
         break;
       case 10:
-        ReadRepeatedVarint(c, tag, s.iota_transpose_perm);
+        ReadRepeatedVarint(c, tag, s.iota_transpose_perm, budget);
         break;
       case 11:
         ReadBool(c, tag, s.is_shard_group);
@@ -459,11 +612,11 @@ void DecodeOpSharding(Cursor c, OpSharding& s, Context& ctx) {
   }
 }
 
-void DecodeReplicaGroup(Cursor c, std::vector<int64_t>& ids) {
+void DecodeReplicaGroup(Cursor c, std::vector<int64_t>& ids, Budget& budget) {
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     if (tag.field == 1) {
-      ReadRepeatedVarint(c, tag, ids);
+      ReadRepeatedVarint(c, tag, ids, budget);
     } else {
       c.Skip(tag);
     }
@@ -482,7 +635,7 @@ struct DeviceList {
   std::optional<IotaGroups> iota;
 };
 
-void DecodeIotaGroups(Cursor c, IotaGroups& g) {
+void DecodeIotaGroups(Cursor c, IotaGroups& g, Budget& budget) {
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     switch (tag.field) {
@@ -493,10 +646,10 @@ void DecodeIotaGroups(Cursor c, IotaGroups& g) {
         ReadInt64(c, tag, g.group_size);
         break;
       case 3:
-        ReadRepeatedVarint(c, tag, g.reshape_dims);
+        ReadRepeatedVarint(c, tag, g.reshape_dims, budget);
         break;
       case 4:
-        ReadRepeatedVarint(c, tag, g.transpose_perm);
+        ReadRepeatedVarint(c, tag, g.transpose_perm, budget);
         break;
       default:
         c.Skip(tag);
@@ -504,29 +657,35 @@ void DecodeIotaGroups(Cursor c, IotaGroups& g) {
   }
 }
 
-void DecodeDeviceList(Cursor c, DeviceList& list, Context& ctx) {
+void DecodeDeviceList(Cursor c, DeviceList& list, Context& ctx,
+                      Budget& budget) {
+  ReserveCharged(list.groups, CountMessages(c, 1), budget, c.pos());
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     if (tag.field == 1 && tag.wire_type == kLengthDelimited) {
       ScopedFrame f(ctx, "replica_groups",
                     static_cast<int64_t>(list.groups.size()));
       Cursor sub = c.ReadMessage();
-      list.groups.emplace_back();
-      DecodeReplicaGroup(sub, list.groups.back());
+      DecodeReplicaGroup(sub, AppendCharged(list.groups, budget, tag.offset),
+                         budget);
     } else if (tag.field == 2 && tag.wire_type == kLengthDelimited) {
       ScopedFrame f(ctx, "iota_replica_group_list");
       Cursor sub = c.ReadMessage();
       if (!list.iota) list.iota.emplace();
-      DecodeIotaGroups(sub, *list.iota);
+      DecodeIotaGroups(sub, *list.iota, budget);
     } else {
       c.Skip(tag);
     }
   }
 }
 
+// Bytes charged per frontend-attribute entry for merging repeated keys: its
+// slots in the sort order and the kept list, and a slot in the merged list.
+constexpr std::size_t kAttributeMergeBytes = 8 + 16 + 64;
+
 void DecodeFrontendAttributes(
     Cursor c, std::vector<std::pair<std::string, std::string>>& out,
-    std::unordered_map<std::string, std::size_t>& index, Context& ctx) {
+    Context& ctx, Budget& budget) {
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     if (tag.field != 1 || tag.wire_type != kLengthDelimited) {
@@ -539,21 +698,47 @@ void DecodeFrontendAttributes(
     while (!entry.done()) {
       const Tag t = entry.ReadTag();
       if (t.field == 1) {
-        ReadStringField(entry, t, key);
+        ReadStringField(entry, t, key, budget);
       } else if (t.field == 2) {
-        ReadStringField(entry, t, value);
+        ReadStringField(entry, t, value, budget);
       } else {
         entry.Skip(t);
       }
     }
-    auto it = index.find(key);
-    if (it != index.end()) {
-      out[it->second].second = std::move(value);
-    } else {
-      index.emplace(key, out.size());
-      out.emplace_back(std::move(key), std::move(value));
-    }
+    // Repeated keys are merged once the instruction is read.
+    AppendCharged(out, budget, tag.offset, sizeof(out[0]) + kAttributeMergeBytes) =
+        {std::move(key), std::move(value)};
   }
+}
+
+// Map entries in the order of their keys' first appearance, each with the
+// value it was given last (protobuf's rule for a repeated key). Sorting
+// rather than hashing: the keys come from the input.
+void MergeFrontendAttributes(
+    std::vector<std::pair<std::string, std::string>>& entries) {
+  const std::size_t n = entries.size();
+  if (n < 2) return;
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return entries[a].first < entries[b].first;
+  });
+  std::vector<std::pair<std::size_t, std::size_t>> kept;  // (first, last)
+  for (std::size_t i = 0; i < n;) {
+    std::size_t j = i + 1;
+    while (j < n && entries[order[j]].first == entries[order[i]].first) ++j;
+    kept.emplace_back(order[i], order[j - 1]);
+    i = j;
+  }
+  if (kept.size() == n) return;
+  std::sort(kept.begin(), kept.end());
+  std::vector<std::pair<std::string, std::string>> merged;
+  merged.reserve(kept.size());
+  for (const auto& [first, last] : kept) {
+    merged.emplace_back(std::move(entries[first].first),
+                        std::move(entries[last].second));
+  }
+  entries = std::move(merged);
 }
 
 void DecodeSourceTarget(Cursor c, std::pair<int64_t, int64_t>& st) {
@@ -569,17 +754,20 @@ void DecodeSourceTarget(Cursor c, std::pair<int64_t, int64_t>& st) {
   }
 }
 
-// Budget for device-id expansion across one module.
-struct Budget {
-  int64_t remaining = kMaxExpandedDevicesPerModule;
-  bool Take(int64_t n) {
-    if (n < 0 || n > kMaxExpandedDevices || n > remaining) return false;
-    remaining -= n;
-    return true;
-  }
-};
+// Charges for the lookups BuildIndex makes and the call graph it walks: a hash
+// node and bucket growth per instruction; per computation two hash nodes (and
+// a copy of its name, charged separately) and the walk's per-node arrays; per
+// call edge the walk's adjacency and stack entries.
+constexpr std::size_t kIndexBytesPerInstruction = 48;
+constexpr std::size_t kIndexBytesPerComputation = 256;
+constexpr std::size_t kCallEdgeBytes = 32;
 
-Sharding Describe(OpSharding proto, Budget& budget);
+// What an expanded device id or group costs: the C++ element plus what the
+// Python view makes of it (an int object and a tuple slot; a tuple per group).
+constexpr std::size_t kBytesPerExpandedDevice = 8 + 40;
+constexpr std::size_t kBytesPerExpandedGroup = sizeof(std::vector<int64_t>) + 64;
+
+Sharding Describe(OpSharding proto, Budget& budget, std::size_t offset);
 std::vector<int64_t> ExpandIota(const std::vector<int64_t>& reshape_dims,
                                 const std::vector<int>& perm);
 bool IsPermutation(const std::vector<int32_t>& perm, std::size_t n);
@@ -591,15 +779,25 @@ std::vector<std::vector<int64_t>> ExpandIotaGroups(const IotaGroups& g,
   if (!IsPermutation(g.transpose_perm, g.reshape_dims.size())) return {};
   int64_t total;
   if (__builtin_mul_overflow(g.num_groups, g.group_size, &total)) return {};
+  // Every group is a list even when it has no members: count them as well
+  // as the devices.
+  if (g.num_groups > kMaxExpandedDevices) return {};
   if (total == 0) {
-    // Groups without members: nothing to expand.
-    if (g.num_groups > kMaxExpandedDevices) return {};
+    if (!budget.TryChargeExpansion(static_cast<std::size_t>(g.num_groups) *
+                                   kBytesPerExpandedGroup)) {
+      return {};
+    }
     return std::vector<std::vector<int64_t>>(
         static_cast<std::size_t>(g.num_groups));
   }
   const auto product = PositiveProduct(g.reshape_dims);
   if (!product || *product != total) return {};
-  if (!budget.Take(total)) return {};
+  // The flat list is a transient copy: 8 more bytes per device.
+  if (!budget.TakeDevices(total, kBytesPerExpandedDevice + 8)) return {};
+  if (!budget.TryChargeExpansion(static_cast<std::size_t>(g.num_groups) *
+                                 kBytesPerExpandedGroup)) {
+    return {};
+  }
   std::vector<int> perm(g.transpose_perm.begin(), g.transpose_perm.end());
   const std::vector<int64_t> flat = ExpandIota(g.reshape_dims, perm);
   std::vector<std::vector<int64_t>> groups(static_cast<std::size_t>(g.num_groups));
@@ -614,27 +812,27 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
                        Budget& budget) {
   ins.offset = c.pos();
   bool has_sharding = false;
+  std::size_t sharding_offset = 0;
   OpSharding sharding;
   bool has_device_list = false;
   DeviceList device_list;
   std::vector<std::vector<int64_t>> legacy_groups;
-  std::unordered_map<std::string, std::size_t> attr_index;
 
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     switch (tag.field) {
       case 1:
-        ReadStringField(c, tag, ins.name);
+        ReadStringField(c, tag, ins.name, budget);
         break;
       case 2:
-        ReadStringField(c, tag, ins.opcode);
+        ReadStringField(c, tag, ins.opcode, budget);
         break;
       case 3:
         if (tag.wire_type != kLengthDelimited) {
           c.Skip(tag);
         } else {
           ScopedFrame f(ctx, "shape");
-          DecodeShape(c.ReadMessage(), ins.shape, ctx);
+          DecodeShape(c.ReadMessage(), ins.shape, ctx, budget);
         }
         break;
       case 9:
@@ -647,31 +845,37 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
         ReadInt64(c, tag, ins.channel_id);
         break;
       case 28:
-        ReadStringField(c, tag, ins.custom_call_target);
+        ReadStringField(c, tag, ins.custom_call_target, budget);
         break;
       case 35:
         ReadInt64(c, tag, ins.id);
         break;
       case 36:
-        ReadRepeatedVarint(c, tag, ins.operand_ids);
+        ReadRepeatedVarint(c, tag, ins.operand_ids, budget);
         break;
-      case 38:
-        ReadRepeatedVarint(c, tag, ins.called_computation_ids);
+      case 38: {
+        // Each call is also an edge of the call graph BuildIndex walks.
+        const std::size_t before = ins.called_computation_ids.size();
+        ReadRepeatedVarint(c, tag, ins.called_computation_ids, budget);
+        budget.ChargeItems(ins.called_computation_ids.size() - before,
+                           kCallEdgeBytes, tag.offset);
         break;
+      }
       case 40:
         if (tag.wire_type != kLengthDelimited) {
           c.Skip(tag);
         } else {
           ScopedFrame f(ctx, "sharding");
           has_sharding = true;
-          DecodeOpSharding(c.ReadMessage(), sharding, ctx);
+          sharding_offset = tag.offset;
+          DecodeOpSharding(c.ReadMessage(), sharding, ctx, budget);
         }
         break;
       case 43:
         if (tag.wire_type != kLengthDelimited) {
           c.Skip(tag);
         } else {
-          ins.backend_config = c.ReadBytes();
+          ins.backend_config = c.ReadBytes(budget);
         }
         break;
       case 47:
@@ -684,8 +888,8 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
           ScopedFrame f(ctx, "replica_groups",
                         static_cast<int64_t>(legacy_groups.size()));
           Cursor sub = c.ReadMessage();
-          legacy_groups.emplace_back();
-          DecodeReplicaGroup(sub, legacy_groups.back());
+          DecodeReplicaGroup(sub, AppendCharged(legacy_groups, budget, tag.offset),
+                             budget);
         }
         break;
       case 52:
@@ -695,8 +899,8 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
           ScopedFrame f(ctx, "source_target_pairs",
                         static_cast<int64_t>(ins.source_target_pairs.size()));
           Cursor sub = c.ReadMessage();
-          ins.source_target_pairs.emplace_back(0, 0);
-          DecodeSourceTarget(sub, ins.source_target_pairs.back());
+          DecodeSourceTarget(
+              sub, AppendCharged(ins.source_target_pairs, budget, tag.offset));
         }
         break;
       case 68:
@@ -705,7 +909,7 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
         } else {
           ScopedFrame f(ctx, "frontend_attributes");
           DecodeFrontendAttributes(c.ReadMessage(), ins.frontend_attributes,
-                                   attr_index, ctx);
+                                   ctx, budget);
         }
         break;
       case 87:
@@ -714,7 +918,7 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
         } else {
           ScopedFrame f(ctx, "collective_device_list");
           has_device_list = true;
-          DecodeDeviceList(c.ReadMessage(), device_list, ctx);
+          DecodeDeviceList(c.ReadMessage(), device_list, ctx, budget);
         }
         break;
       default:
@@ -722,7 +926,10 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
     }
   }
 
-  if (has_sharding) ins.sharding = Describe(std::move(sharding), budget);
+  MergeFrontendAttributes(ins.frontend_attributes);
+  if (has_sharding) {
+    ins.sharding = Describe(std::move(sharding), budget, sharding_offset);
+  }
   // XLA prefers collective_device_list over the deprecated field.
   if (has_device_list) {
     if (device_list.iota) {
@@ -740,11 +947,15 @@ void DecodeInstruction(Cursor c, Instruction& ins, Context& ctx,
 
 void DecodeComputation(Cursor c, Computation& comp, Context& ctx,
                        Budget& budget) {
+  // Instructions are the largest records: reserve them at once, with their
+  // entries in the module's index.
+  ReserveCharged(comp.instructions, CountMessages(c, 2), budget, c.pos(),
+                 sizeof(Instruction) + kIndexBytesPerInstruction);
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     switch (tag.field) {
       case 1:
-        ReadStringField(c, tag, comp.name);
+        ReadStringField(c, tag, comp.name, budget);
         break;
       case 2:
         if (tag.wire_type != kLengthDelimited) {
@@ -753,8 +964,11 @@ void DecodeComputation(Cursor c, Computation& comp, Context& ctx,
           ScopedFrame f(ctx, "instructions",
                         static_cast<int64_t>(comp.instructions.size()));
           Cursor sub = c.ReadMessage();
-          comp.instructions.emplace_back();
-          DecodeInstruction(sub, comp.instructions.back(), ctx, budget);
+          DecodeInstruction(sub,
+                            AppendCharged(comp.instructions, budget, tag.offset,
+                                          sizeof(Instruction) +
+                                              kIndexBytesPerInstruction),
+                            ctx, budget);
         }
         break;
       case 5:
@@ -797,21 +1011,27 @@ std::vector<int64_t> Strides(const std::vector<int64_t>& dims) {
 }
 
 // Flat list of iota(prod(reshape_dims)).reshape(reshape_dims)
-// .transpose(perm). Callers check sizes against the budget first.
+// .transpose(perm), i.e. the row-major source offset of each element of the
+// transposed array. Callers check sizes against the budget first.
+// Dimensions of size one do not change the order and are left out of the
+// odometer below, so the work is linear in the result (a carry past a
+// dimension of size >= 2 happens at most once per two steps, amortized).
 std::vector<int64_t> ExpandIota(const std::vector<int64_t>& reshape_dims,
                                 const std::vector<int>& perm) {
-  const std::size_t n = reshape_dims.size();
   int64_t total = 1;
   for (int64_t d : reshape_dims) total *= d;
   std::vector<int64_t> out;
   out.reserve(static_cast<std::size_t>(total));
   if (total == 0) return out;
   const std::vector<int64_t> strides = Strides(reshape_dims);
-  std::vector<int64_t> tdims(n), tstrides(n), index(n, 0);
-  for (std::size_t k = 0; k < n; ++k) {
-    tdims[k] = reshape_dims[perm[k]];
-    tstrides[k] = strides[perm[k]];
+  std::vector<int64_t> tdims, tstrides;
+  for (int axis : perm) {
+    if (reshape_dims[axis] == 1) continue;
+    tdims.push_back(reshape_dims[axis]);
+    tstrides.push_back(strides[axis]);
   }
+  const std::size_t n = tdims.size();
+  std::vector<int64_t> index(n, 0);
   int64_t value = 0;
   for (int64_t count = 0; count < total; ++count) {
     out.push_back(value);
@@ -910,9 +1130,17 @@ Tiles MakeExplicitTiles(std::vector<int64_t> dims,
 // allows; the caller falls back to the raw rendering.
 struct OverBudget {};
 
+// Charge per device id of a tile assignment that normalization works on as
+// an explicit list: the list and up to three transient copies (sorting
+// groups, transposing), and 16 bytes of printed text.
+constexpr std::size_t kBytesPerNormalizedDevice = 4 * 8 + 16;
+
 const std::vector<int64_t>& Materialize(Tiles& t, Budget& budget) {
   if (t.iota) {
-    if (!budget.Take(t.num_elements())) throw OverBudget{};
+    if (!budget.TakeDevices(t.num_elements(), kBytesPerNormalizedDevice)) {
+      throw OverBudget{};
+    }
+    budget.prepaid_text += static_cast<std::size_t>(t.num_elements()) * 16;
     t.values = ExpandIota(t.reshape, t.perm);
     t.iota = false;
     t.reshape.clear();
@@ -1026,30 +1254,14 @@ std::optional<Tiles> TransposeIota(const Tiles& t, const std::vector<int>& perm)
 }
 
 // Generic transpose of an explicit array of shape `dims`.
+// `values` has the row-major layout of `dims`.
 std::vector<int64_t> TransposeValues(const std::vector<int64_t>& values,
                                      const std::vector<int64_t>& dims,
                                      const std::vector<int>& perm) {
-  const std::size_t n = dims.size();
-  const std::vector<int64_t> strides = Strides(dims);
-  std::vector<int64_t> tdims(n), tstrides(n), index(n, 0);
-  for (std::size_t k = 0; k < n; ++k) {
-    tdims[k] = dims[perm[k]];
-    tstrides[k] = strides[perm[k]];
-  }
+  const std::vector<int64_t> offsets = ExpandIota(dims, perm);
   std::vector<int64_t> out;
-  out.reserve(values.size());
-  int64_t src = 0;
-  for (std::size_t count = 0; count < values.size(); ++count) {
-    out.push_back(values[static_cast<std::size_t>(src)]);
-    for (std::size_t k = n; k-- > 0;) {
-      if (++index[k] < tdims[k]) {
-        src += tstrides[k];
-        break;
-      }
-      src -= tstrides[k] * (tdims[k] - 1);
-      index[k] = 0;
-    }
-  }
+  out.reserve(offsets.size());
+  for (int64_t src : offsets) out.push_back(values[static_cast<std::size_t>(src)]);
   return out;
 }
 
@@ -1270,7 +1482,7 @@ struct Derived {
 };
 
 // HloSharding::FromProto, for a non-tuple proto.
-Derived Normalize(const OpSharding& p, Budget& budget) {
+Derived Normalize(const OpSharding& p, Budget& budget, std::size_t offset) {
   Derived out;
   switch (p.type) {
     case kShardingReplicated:
@@ -1335,6 +1547,10 @@ Derived Normalize(const OpSharding& p, Budget& budget) {
   }
   if (!p.last_tile_dims.empty() && p.replicate_on_last_tile_dim) return out;
 
+  if (!use_iota) {
+    budget.ChargeItems(p.tile_assignment_devices.size(),
+                       kBytesPerNormalizedDevice, offset);
+  }
   Tiles tiles =
       use_iota
           ? MakeIotaTiles(p.tile_assignment_dimensions, p.iota_reshape_dims,
@@ -1439,29 +1655,55 @@ std::string PrintRaw(const OpSharding& p, bool valid) {
   return out + ShardGroupSuffix(p) + "}";
 }
 
-std::vector<int64_t> RawDevices(const OpSharding& p, Budget& budget) {
-  if (!p.tile_assignment_devices.empty()) return p.tile_assignment_devices;
+std::vector<int64_t> RawDevices(const OpSharding& p, Budget& budget,
+                                std::size_t offset) {
+  if (!p.tile_assignment_devices.empty()) {
+    budget.ChargeItems(p.tile_assignment_devices.size(),
+                       kBytesPerExpandedDevice, offset);
+    return p.tile_assignment_devices;
+  }
   if (p.iota_reshape_dims.empty()) return {};
   if (!IsPermutation(p.iota_transpose_perm, p.iota_reshape_dims.size())) {
     return {};
   }
   const auto product = PositiveProduct(p.iota_reshape_dims);
-  if (!product || !budget.Take(*product)) return {};
+  if (!product || !budget.TakeDevices(*product, kBytesPerExpandedDevice)) {
+    return {};
+  }
   return ExpandIota(p.iota_reshape_dims,
                     std::vector<int>(p.iota_transpose_perm.begin(),
                                      p.iota_transpose_perm.end()));
 }
 
-Sharding Describe(OpSharding proto, Budget& budget) {
+// Charges printed text: twice its length (the printer builds it from
+// temporaries), less what materialized iota lists prepaid.
+void ChargeText(const std::string& text, Budget& budget, std::size_t offset) {
+  std::size_t bytes = 2 * text.size();
+  const std::size_t prepaid = std::min(bytes, budget.prepaid_text);
+  budget.prepaid_text -= prepaid;
+  budget.Charge(bytes - prepaid, offset);
+}
+
+// Derives a Sharding; `offset` is where its proto starts, for budget errors.
+Sharding Describe(OpSharding proto, Budget& budget, std::size_t offset) {
   Sharding s;
   if (proto.type == kShardingTuple) {
-    s.tuple_elements.reserve(proto.tuple_shardings.size());
+    const std::size_t n = proto.tuple_shardings.size();
+    budget.ChargeItems(n, sizeof(Sharding), offset);
+    s.tuple_elements.reserve(n);
     for (OpSharding& element : proto.tuple_shardings) {
-      s.tuple_elements.push_back(Describe(std::move(element), budget));
+      s.tuple_elements.push_back(Describe(std::move(element), budget, offset));
     }
     proto.tuple_shardings.clear();
+    // Every element's text is copied into the tuple's: size it first.
+    std::size_t length = 2;
+    for (std::size_t i = 0; i < n; ++i) {
+      length += s.tuple_elements[i].text.size() + 32;  // + separator
+    }
+    budget.Charge(2 * length, offset);
     std::string text = "{";
-    for (std::size_t i = 0; i < s.tuple_elements.size(); ++i) {
+    text.reserve(length);
+    for (std::size_t i = 0; i < n; ++i) {
       if (i != 0) {
         text += (i % 5 == 0) ? ", /*index=" + std::to_string(i) + "*/" : ", ";
       }
@@ -1474,11 +1716,12 @@ Sharding Describe(OpSharding proto, Budget& budget) {
   }
   // Tuple elements of a non-tuple sharding are ignored by XLA.
   proto.tuple_shardings.clear();
-  s.devices = RawDevices(proto, budget);
+  s.devices = RawDevices(proto, budget, offset);
   Derived d;
   bool over_budget = false;
+  budget.prepaid_text = 0;
   try {
-    d = Normalize(proto, budget);
+    d = Normalize(proto, budget, offset);
   } catch (const OverBudget&) {
     over_budget = true;
   }
@@ -1488,6 +1731,8 @@ Sharding Describe(OpSharding proto, Budget& budget) {
   } else {
     s.text = PrintNorm(d.norm, ShardGroupSuffix(proto));
   }
+  ChargeText(s.text, budget, offset);
+  budget.prepaid_text = 0;
   s.proto = std::move(proto);
   return s;
 }
@@ -1764,36 +2009,57 @@ std::optional<int64_t> KnownTripCountFromBackendConfig(
   return TripCountFromBinary(config);
 }
 
+namespace {
+
+// The size of a proto built in memory, standing in for the input size of
+// its budget: 8 bytes per integer and per message.
+std::size_t InMemorySize(const OpSharding& p) {
+  std::size_t n = 8 * (1 + p.tile_assignment_dimensions.size() +
+                       p.tile_assignment_devices.size() +
+                       p.last_tile_dims.size() + p.iota_reshape_dims.size() +
+                       p.iota_transpose_perm.size());
+  for (const OpSharding& t : p.tuple_shardings) n += InMemorySize(t);
+  return n;
+}
+
+}  // namespace
+
 Sharding DescribeSharding(const OpSharding& proto) {
-  Budget budget;
-  return Describe(proto, budget);
+  Context ctx;
+  ctx.root = "OpSharding";
+  Budget budget(InMemorySize(proto), &ctx);
+  return Describe(proto, budget, 0);
 }
 
 Sharding ParseSharding(const uint8_t* data, std::size_t size) {
+  static const uint8_t kEmpty = 0;
+  if (data == nullptr) data = &kEmpty;
   Context ctx;
   ctx.root = "OpSharding";
+  Budget budget(size, &ctx);
   Cursor c(data, 0, size, 0, &ctx);
   OpSharding proto;
-  DecodeOpSharding(c, proto, ctx);
-  Budget budget;
-  return Describe(std::move(proto), budget);
+  DecodeOpSharding(c, proto, ctx, budget);
+  return Describe(std::move(proto), budget, 0);
 }
 
 Module ParseModule(const uint8_t* data, std::size_t size) {
   static const uint8_t kEmpty = 0;
   if (data == nullptr) data = &kEmpty;
   Context ctx;
-  Budget budget;
+  Budget budget(size, &ctx);
   Cursor c(data, 0, size, 0, &ctx);
   Module m;
+  ReserveCharged(m.computations, CountMessages(c, 3), budget, 0,
+                 sizeof(Computation) + kIndexBytesPerComputation);
   while (!c.done()) {
     const Tag tag = c.ReadTag();
     switch (tag.field) {
       case 1:
-        ReadStringField(c, tag, m.name);
+        ReadStringField(c, tag, m.name, budget);
         break;
       case 2:
-        ReadStringField(c, tag, m.entry_computation_name);
+        ReadStringField(c, tag, m.entry_computation_name, budget);
         break;
       case 3:
         if (tag.wire_type != kLengthDelimited) {
@@ -1802,8 +2068,12 @@ Module ParseModule(const uint8_t* data, std::size_t size) {
           ScopedFrame f(ctx, "computations",
                         static_cast<int64_t>(m.computations.size()));
           Cursor sub = c.ReadMessage();
-          m.computations.emplace_back();
-          DecodeComputation(sub, m.computations.back(), ctx, budget);
+          Computation& comp =
+              AppendCharged(m.computations, budget, tag.offset,
+                            sizeof(Computation) + kIndexBytesPerComputation);
+          DecodeComputation(sub, comp, ctx, budget);
+          // The by-name index keeps a copy of the name.
+          budget.Charge(comp.name.size() + 1, tag.offset);
         }
         break;
       case 6:
@@ -1814,54 +2084,289 @@ Module ParseModule(const uint8_t* data, std::size_t size) {
     }
   }
   m.BuildIndex();
+  m.budget_used = budget.used();
+  m.budget_limit = budget.limit();
   return m;
 }
 
 // ---------------------------------------------------------------------------
 // Module lookups and analyses.
 
+namespace {
+
+bool InstructionKeyLess(const Module::InstructionKey& a,
+                        const Module::InstructionKey& b) {
+  if (a.id != b.id) return a.id < b.id;
+  if (a.computation != b.computation) return a.computation < b.computation;
+  return a.instruction < b.instruction;
+}
+
+}  // namespace
+
 void Module::BuildIndex() {
+  const int n = static_cast<int>(computations.size());
   computation_by_id.clear();
   computation_by_name.clear();
   instruction_by_id.clear();
-  for (int ci = 0; ci < static_cast<int>(computations.size()); ++ci) {
+  computation_by_id.reserve(n);
+  computation_by_name.reserve(n);
+  instruction_by_id.reserve(static_cast<std::size_t>(NumInstructions()));
+  for (int ci = 0; ci < n; ++ci) {
     const Computation& comp = computations[ci];
-    computation_by_id.emplace(comp.id, ci);
-    computation_by_name.emplace(comp.name, ci);
+    computation_by_id.emplace_back(comp.id, ci);
+    computation_by_name.push_back(ci);
     for (int ii = 0; ii < static_cast<int>(comp.instructions.size()); ++ii) {
-      instruction_by_id.emplace(comp.instructions[ii].id, std::make_pair(ci, ii));
+      instruction_by_id.push_back({comp.instructions[ii].id, ci, ii});
     }
   }
+  std::sort(computation_by_id.begin(), computation_by_id.end());
+  std::sort(computation_by_name.begin(), computation_by_name.end(),
+            [this](int a, int b) {
+              const int c = computations[a].name.compare(computations[b].name);
+              return c != 0 ? c < 0 : a < b;
+            });
+  std::sort(instruction_by_id.begin(), instruction_by_id.end(),
+            InstructionKeyLess);
+
   entry_index = -1;
   // Protos written before entry_computation_id existed only carry the name.
-  auto by_id = computation_by_id.find(entry_computation_id);
-  if (by_id != computation_by_id.end() &&
-      (entry_computation_name.empty() ||
-       computations[by_id->second].name == entry_computation_name)) {
-    entry_index = by_id->second;
+  const int by_id = ComputationIndexById(entry_computation_id);
+  if (by_id >= 0 && (entry_computation_name.empty() ||
+                     computations[by_id].name == entry_computation_name)) {
+    entry_index = by_id;
   } else {
-    auto by_name = computation_by_name.find(entry_computation_name);
-    if (by_name != computation_by_name.end()) {
-      entry_index = by_name->second;
-    } else if (by_id != computation_by_id.end()) {
-      entry_index = by_id->second;
+    const int by_name = ComputationIndexByName(entry_computation_name);
+    entry_index = by_name >= 0 ? by_name : by_id;
+  }
+  CountWhileBodies();
+}
+
+// body_instruction_counts without walking the call graph once per loop,
+// which is quadratic for nested loops. The call graph is condensed into its
+// strongly connected components (recursion is invalid HLO, but must not
+// hang), each weighted by its instructions; Tarjan's algorithm numbers them
+// callees first. A component whose callees are each called from it alone,
+// all the way down, reaches a tree: its count is its weight plus its
+// callees' counts. Only a body that reaches a shared callee is walked, and
+// that walk stops at such tree roots, adding their counts. The walks are
+// bounded by kWhileWalkStepsPerEdge per computation and call edge.
+void Module::CountWhileBodies() {
+  const int n = static_cast<int>(computations.size());
+  body_instruction_counts.assign(n, -1);
+  while_walk_steps = 0;
+  // The bodies, each with the first while loop naming it.
+  std::vector<std::pair<int, std::pair<int, int>>> bodies;
+  std::vector<char> is_body(n, 0);
+  for (int ci = 0; ci < n; ++ci) {
+    const Computation& comp = computations[ci];
+    for (int ii = 0; ii < static_cast<int>(comp.instructions.size()); ++ii) {
+      const Instruction& ins = comp.instructions[ii];
+      if (ins.opcode != "while" || ins.called_computation_ids.empty()) continue;
+      const int body = ComputationIndexById(ins.called_computation_ids[0]);
+      if (body >= 0 && !is_body[body]) {
+        is_body[body] = 1;
+        bodies.push_back({body, {ci, ii}});
+      }
     }
+  }
+  if (bodies.empty()) return;
+
+  // Call graph over computation indices, duplicate edges dropped.
+  std::vector<int> first(n + 1, 0), callees, seen(n, -1);
+  for (int ci = 0; ci < n; ++ci) {
+    first[ci] = static_cast<int>(callees.size());
+    for (const Instruction& ins : computations[ci].instructions) {
+      for (int64_t id : ins.called_computation_ids) {
+        const int callee = ComputationIndexById(id);
+        if (callee >= 0 && seen[callee] != ci) {
+          seen[callee] = ci;
+          callees.push_back(callee);
+        }
+      }
+    }
+  }
+  first[n] = static_cast<int>(callees.size());
+
+  // Tarjan's strongly connected components, iteratively.
+  std::vector<int> order(n, -1), low(n, 0), component(n, -1), stack;
+  std::vector<std::pair<int, int>> frames;  // (computation, next edge)
+  int next_order = 0, components = 0;
+  for (int root = 0; root < n; ++root) {
+    if (order[root] >= 0) continue;
+    frames.push_back({root, first[root]});
+    order[root] = low[root] = next_order++;
+    stack.push_back(root);
+    while (!frames.empty()) {
+      const int v = frames.back().first;
+      int& edge = frames.back().second;
+      if (edge < first[v + 1]) {
+        const int w = callees[edge++];
+        if (order[w] < 0) {
+          order[w] = low[w] = next_order++;
+          stack.push_back(w);
+          frames.push_back({w, first[w]});
+        } else if (component[w] < 0) {
+          low[v] = std::min(low[v], order[w]);
+        }
+        continue;
+      }
+      frames.pop_back();
+      if (!frames.empty()) {
+        const int parent = frames.back().first;
+        low[parent] = std::min(low[parent], low[v]);
+      }
+      if (low[v] == order[v]) {
+        int w;
+        do {
+          w = stack.back();
+          stack.pop_back();
+          component[w] = components;
+        } while (w != v);
+        ++components;
+      }
+    }
+  }
+
+  // The condensed graph: weights, distinct callee components, callers.
+  std::vector<int64_t> weight(components, 0);
+  for (int ci = 0; ci < n; ++ci) {
+    weight[component[ci]] =
+        SatAdd(weight[component[ci]],
+               static_cast<int64_t>(computations[ci].instructions.size()));
+  }
+  std::vector<int> members_first(components + 1, 0), members(n);
+  for (int ci = 0; ci < n; ++ci) ++members_first[component[ci] + 1];
+  for (int k = 0; k < components; ++k) members_first[k + 1] += members_first[k];
+  {
+    std::vector<int> fill(members_first.begin(), members_first.end() - 1);
+    for (int ci = 0; ci < n; ++ci) members[fill[component[ci]]++] = ci;
+  }
+  std::vector<int> cfirst(components + 1, 0), ccallees, callers(components, 0);
+  std::vector<int> cseen(components, -1);
+  for (int k = 0; k < components; ++k) {
+    cfirst[k] = static_cast<int>(ccallees.size());
+    for (int m = members_first[k]; m < members_first[k + 1]; ++m) {
+      const int ci = members[m];
+      for (int e = first[ci]; e < first[ci + 1]; ++e) {
+        const int t = component[callees[e]];
+        if (t != k && cseen[t] != k) {
+          cseen[t] = k;
+          ccallees.push_back(t);
+          ++callers[t];
+        }
+      }
+    }
+  }
+  cfirst[components] = static_cast<int>(ccallees.size());
+
+  // Components are numbered callees first, so one pass in order finds the
+  // tree roots and their counts.
+  std::vector<char> tree(components, 0);
+  std::vector<int64_t> count(components, 0);
+  for (int k = 0; k < components; ++k) {
+    bool is_tree = true;
+    int64_t total = weight[k];
+    for (int e = cfirst[k]; e < cfirst[k + 1]; ++e) {
+      const int t = ccallees[e];
+      if (callers[t] != 1 || !tree[t]) {
+        is_tree = false;
+        break;
+      }
+      total = SatAdd(total, count[t]);
+    }
+    tree[k] = is_tree;
+    if (is_tree) count[k] = total;
+  }
+
+  const int64_t limit =
+      kWhileWalkStepsPerEdge * (static_cast<int64_t>(n) + first[n]);
+  std::vector<int> mark(components, -1), walk;
+  std::vector<int64_t> memo(components, -1);
+  for (const auto& [body, loop] : bodies) {
+    const int k = component[body];
+    if (tree[k]) {
+      body_instruction_counts[body] = count[k];
+      continue;
+    }
+    if (memo[k] < 0) {
+      int64_t total = 0;
+      walk.assign(1, k);
+      mark[k] = k;
+      while (!walk.empty()) {
+        const int x = walk.back();
+        walk.pop_back();
+        ++while_walk_steps;
+        if (tree[x]) {
+          total = SatAdd(total, count[x]);
+          continue;
+        }
+        total = SatAdd(total, weight[x]);
+        for (int e = cfirst[x]; e < cfirst[x + 1]; ++e) {
+          ++while_walk_steps;
+          const int t = ccallees[e];
+          if (mark[t] != k) {
+            mark[t] = k;
+            walk.push_back(t);
+          }
+        }
+        if (while_walk_steps > limit) {
+          const Instruction& w =
+              computations[loop.first].instructions[loop.second];
+          throw ParseError(
+              "HloModuleProto exceeds the reader's work limit at byte offset " +
+                  std::to_string(w.offset) + " (while instruction '" + w.name +
+                  "' in computation '" + computations[loop.first].name +
+                  "'): counting the instructions its body reaches would take "
+                  "more than " + std::to_string(limit) + " steps (" +
+                  std::to_string(kWhileWalkStepsPerEdge) +
+                  " per computation and call edge); nested while loops share "
+                  "callees far more often than XLA's modules do",
+              w.offset);
+        }
+      }
+      memo[k] = total;
+    }
+    body_instruction_counts[body] = memo[k];
   }
 }
 
 int Module::ComputationIndexById(int64_t id) const {
-  auto it = computation_by_id.find(id);
-  return it == computation_by_id.end() ? -1 : it->second;
+  auto it = std::lower_bound(computation_by_id.begin(), computation_by_id.end(),
+                             std::make_pair(id, std::numeric_limits<int>::min()));
+  return it != computation_by_id.end() && it->first == id ? it->second : -1;
 }
 
 int Module::ComputationIndexByName(std::string_view name) const {
-  auto it = computation_by_name.find(std::string(name));
-  return it == computation_by_name.end() ? -1 : it->second;
+  auto it = std::lower_bound(
+      computation_by_name.begin(), computation_by_name.end(), name,
+      [this](int c, std::string_view key) { return computations[c].name < key; });
+  return it != computation_by_name.end() && computations[*it].name == name
+             ? *it
+             : -1;
 }
 
 std::pair<int, int> Module::InstructionLocation(int64_t id) const {
-  auto it = instruction_by_id.find(id);
-  return it == instruction_by_id.end() ? std::make_pair(-1, -1) : it->second;
+  return InstructionLocation(id, -1);
+}
+
+std::pair<int, int> Module::InstructionLocation(int64_t id,
+                                                int computation) const {
+  const InstructionKey key{id, computation, -1};
+  auto it = std::lower_bound(instruction_by_id.begin(), instruction_by_id.end(),
+                             key, InstructionKeyLess);
+  if (it != instruction_by_id.end() && it->id == id &&
+      it->computation == computation) {
+    return {it->computation, it->instruction};
+  }
+  if (computation >= 0) {
+    // Not in that computation: the first occurrence anywhere.
+    it = std::lower_bound(instruction_by_id.begin(), instruction_by_id.end(),
+                          InstructionKey{id, -1, -1}, InstructionKeyLess);
+  }
+  if (it != instruction_by_id.end() && it->id == id) {
+    return {it->computation, it->instruction};
+  }
+  return {-1, -1};
 }
 
 const Instruction* Module::InstructionById(int64_t id) const {
@@ -1893,51 +2398,52 @@ namespace {
 
 // Collective family of an opcode; empty when it is not a collective, or when
 // it is the -done half of an async pair (counted at its -start).
-std::string CollectiveKind(const std::string& opcode) {
-  static const char* const kFamilies[] = {
+std::string_view CollectiveKind(std::string_view opcode) {
+  static constexpr std::string_view kFamilies[] = {
       "all-gather",         "all-reduce",           "reduce-scatter",
       "all-to-all",         "ragged-all-to-all",    "collective-permute",
       "collective-broadcast"};
-  for (const char* family : kFamilies) {
-    const std::string f(family);
-    if (opcode == f || opcode == f + "-start") return f;
+  static constexpr std::string_view kStart = "-start";
+  for (std::string_view f : kFamilies) {
+    if (opcode == f) return f;
+    if (opcode.size() == f.size() + kStart.size() &&
+        opcode.substr(0, f.size()) == f && opcode.substr(f.size()) == kStart) {
+      return f;
+    }
   }
-  return "";
+  return {};
 }
 
 }  // namespace
 
 std::vector<Collective> Module::Collectives() const {
   std::vector<Collective> out;
+  // Byte sizes of operand shapes, each computed once (a tuple shape's size
+  // walks the whole tuple; many operands may name one instruction).
+  std::vector<std::size_t> first(computations.size() + 1, 0);
+  for (std::size_t ci = 0; ci < computations.size(); ++ci) {
+    first[ci + 1] = first[ci] + computations[ci].instructions.size();
+  }
+  std::vector<int64_t> bytes_of;
   for (int ci = 0; ci < static_cast<int>(computations.size()); ++ci) {
     const Computation& comp = computations[ci];
-    // Operands are looked up in the same computation first: ids are unique
-    // per module in protos XLA writes, but only per computation in some
-    // hand-written ones.
-    std::unordered_map<int64_t, int> local;
-    bool local_built = false;
     for (int ii = 0; ii < static_cast<int>(comp.instructions.size()); ++ii) {
       const Instruction& ins = comp.instructions[ii];
-      std::string kind = CollectiveKind(ins.opcode);
+      const std::string_view kind = CollectiveKind(ins.opcode);
       if (kind.empty()) continue;
-      if (!local_built) {
-        for (int k = 0; k < static_cast<int>(comp.instructions.size()); ++k) {
-          local.emplace(comp.instructions[k].id, k);
-        }
-        local_built = true;
-      }
+      if (bytes_of.empty()) bytes_of.assign(first.back(), -1);
       int64_t bytes = 0;
       for (int64_t operand : ins.operand_ids) {
-        const Instruction* op = nullptr;
-        auto it = local.find(operand);
-        if (it != local.end()) {
-          op = &comp.instructions[it->second];
-        } else {
-          op = InstructionById(operand);
-        }
-        if (op != nullptr) bytes = SatAdd(bytes, op->shape.byte_size());
+        // Operands are looked up in the same computation first: ids are
+        // unique per module in protos XLA writes, but only per computation
+        // in some hand-written ones.
+        const auto [oc, oi] = InstructionLocation(operand, ci);
+        if (oc < 0) continue;
+        int64_t& size = bytes_of[first[oc] + oi];
+        if (size < 0) size = computations[oc].instructions[oi].shape.byte_size();
+        bytes = SatAdd(bytes, size);
       }
-      out.push_back({std::move(kind), ci, ii, bytes});
+      out.push_back({std::string(kind), ci, ii, bytes});
     }
   }
   return out;
@@ -1989,32 +2495,6 @@ std::vector<HostTransfer> Module::HostTransfers() const {
 
 std::vector<WhileLoop> Module::WhileLoops() const {
   std::vector<WhileLoop> out;
-  // Loops that share a body share its count.
-  std::unordered_map<int, int64_t> count_by_body;
-  auto count_reachable = [&](int body) {
-    auto it = count_by_body.find(body);
-    if (it != count_by_body.end()) return it->second;
-    int64_t count = 0;
-    std::vector<bool> seen(computations.size(), false);
-    std::vector<int> stack{body};
-    seen[body] = true;
-    while (!stack.empty()) {
-      const Computation& c = computations[stack.back()];
-      stack.pop_back();
-      count += static_cast<int64_t>(c.instructions.size());
-      for (const Instruction& inner : c.instructions) {
-        for (int64_t callee : inner.called_computation_ids) {
-          const int idx = ComputationIndexById(callee);
-          if (idx >= 0 && !seen[idx]) {
-            seen[idx] = true;
-            stack.push_back(idx);
-          }
-        }
-      }
-    }
-    count_by_body.emplace(body, count);
-    return count;
-  };
   for (int ci = 0; ci < static_cast<int>(computations.size()); ++ci) {
     const Computation& comp = computations[ci];
     for (int ii = 0; ii < static_cast<int>(comp.instructions.size()); ++ii) {
@@ -2031,8 +2511,12 @@ std::vector<WhileLoop> Module::WhileLoops() const {
         w.condition_id = ins.called_computation_ids[1];
       }
       w.known_trip_count = ins.known_trip_count;
+      // Counted by BuildIndex.
       const int body = ComputationIndexById(w.body_id);
-      if (body >= 0) w.body_instruction_count = count_reachable(body);
+      if (body >= 0 && body < static_cast<int>(body_instruction_counts.size()) &&
+          body_instruction_counts[body] >= 0) {
+        w.body_instruction_count = body_instruction_counts[body];
+      }
       out.push_back(w);
     }
   }

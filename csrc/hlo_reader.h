@@ -4,8 +4,31 @@
 // format is decoded by hand, only the fields the analyses need are kept, and
 // every other field is skipped. Malformed input raises txe::hlo::ParseError
 // (which carries the byte offset of the problem); it never reads out of
-// bounds, recursion is bounded, and the work done is linear in the input size
-// plus capped device-list expansions.
+// bounds and recursion is bounded.
+//
+// Cost bounds for hostile input (`audit` reads untrusted files):
+//
+// - Memory. Every allocation a parse makes is charged against a byte budget of
+//   kBudgetBytesPerInputByte (64) bytes per input byte plus kBudgetBaseBytes
+//   (1 MiB). Charges are upper estimates (element sizes of the containers,
+//   their growth, index entries, transient copies made while normalizing
+//   shardings, printed text), made before the allocation (printed text:
+//   right after, from lists already charged) and never credited back, so the
+//   total also bounds the peak. Modules lowered by torch_xla use 11-18
+//   bytes per input byte. Going over raises ParseError naming the byte offset
+//   of the field being decoded. Lists derived from iota descriptions (device
+//   lists, iota replica groups), whose length does not follow from the input
+//   size, are charged with what the Python view makes of them too; they take
+//   at most half of the budget and the device caps below, past which they
+//   are left unexpanded, not an error.
+// - Time. Decoding and every analysis are linear in the input size, up to
+//   the log factor of sorting the lookups (sorted lists, not hash tables,
+//   whose worst case the input could pick) and of searching them. The
+//   while-body instruction count is computed when the module is parsed; its
+//   walk of the call graph takes at most kWhileWalkStepsPerEdge steps per
+//   computation and call edge, and a call graph that would need more
+//   (deeply nested loops sharing callees, which XLA does not emit) raises
+//   ParseError naming the while instruction.
 //
 // Field numbers follow xla/service/hlo.proto and xla/xla_data.proto.
 
@@ -18,7 +41,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -42,6 +64,12 @@ inline constexpr int kMaxNestingDepth = 100;  // nested messages and groups
 inline constexpr int64_t kMaxExpandedDevices = int64_t{1} << 18;
 // Total number of device ids expanded for one module (all instructions).
 inline constexpr int64_t kMaxExpandedDevicesPerModule = int64_t{1} << 22;
+// Memory budget of one parse: kBudgetBytesPerInputByte * input size +
+// kBudgetBaseBytes (see the comment at the top).
+inline constexpr std::size_t kBudgetBytesPerInputByte = 64;
+inline constexpr std::size_t kBudgetBaseBytes = std::size_t{1} << 20;
+// Step limit of the while-body walk, per computation and per call edge.
+inline constexpr int64_t kWhileWalkStepsPerEdge = 64;
 
 // xla.PrimitiveType values.
 enum PrimitiveType : int32_t {
@@ -231,6 +259,8 @@ struct Module {
   int ComputationIndexByName(std::string_view name) const;
   // Returns {computation index, instruction index} or {-1, -1}.
   std::pair<int, int> InstructionLocation(int64_t id) const;
+  // The same, looking in computation `computation` first.
+  std::pair<int, int> InstructionLocation(int64_t id, int computation) const;
   const Instruction* InstructionById(int64_t id) const;
 
   int64_t NumInstructions() const;
@@ -241,12 +271,39 @@ struct Module {
   std::vector<WhileLoop> WhileLoops() const;
   int64_t ConstantsBytes() const;
 
-  // Built by Parse().
-  std::unordered_map<int64_t, int> computation_by_id;
-  std::unordered_map<std::string, int> computation_by_name;
-  std::unordered_map<int64_t, std::pair<int, int>> instruction_by_id;
+  // Built by BuildIndex(). Sorted lists searched by bisection rather than
+  // hash tables, whose worst case hostile ids and names could pick:
+  // computations by (id, index) and by (name, index), instructions by
+  // (id, computation, position), so the first occurrence comes first.
+  struct InstructionKey {
+    int64_t id;
+    int computation;
+    int instruction;
+  };
+  std::vector<std::pair<int64_t, int>> computation_by_id;
+  std::vector<int> computation_by_name;
+  std::vector<InstructionKey> instruction_by_id;
+  // Per computation: when it is the body of a while loop, its instructions
+  // plus those of every computation reachable from it (each computation
+  // counted once, saturating at INT64_MAX); -1 otherwise.
+  std::vector<int64_t> body_instruction_counts;
 
+  // Bookkeeping of the parse, for tests of the cost bounds: bytes charged
+  // against the memory budget and the budget itself, and the steps the
+  // while-body walk took.
+  std::size_t budget_used = 0;
+  std::size_t budget_limit = 0;
+  int64_t while_walk_steps = 0;
+
+  // Builds the lookups above (sorting them) and body_instruction_counts
+  // (linear in the computations, instructions and call edges); throws
+  // ParseError (at the offset of a while instruction) when the while-body
+  // walk would take more than kWhileWalkStepsPerEdge steps per computation
+  // and call edge.
   void BuildIndex();
+
+ private:
+  void CountWhileBodies();
 };
 
 // Parses serialized HloModuleProto bytes. Throws ParseError.

@@ -114,6 +114,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_NESTING_DEPTH") = kMaxNestingDepth;
   m.attr("MAX_EXPANDED_DEVICES") = kMaxExpandedDevices;
   m.attr("MAX_EXPANDED_DEVICES_PER_MODULE") = kMaxExpandedDevicesPerModule;
+  m.attr("BUDGET_BYTES_PER_INPUT_BYTE") = kBudgetBytesPerInputByte;
+  m.attr("BUDGET_BASE_BYTES") = kBudgetBaseBytes;
+  m.attr("WHILE_WALK_STEPS_PER_EDGE") = kWhileWalkStepsPerEdge;
 
   m.def(
       "primitive_type_name",
@@ -281,7 +284,15 @@ PYBIND11_MODULE(_C, m) {
       .def("collectives", &Module::Collectives)
       .def("host_transfers", &Module::HostTransfers)
       .def("while_loops", &Module::WhileLoops)
-      .def("constants_bytes", &Module::ConstantsBytes);
+      .def("constants_bytes", &Module::ConstantsBytes)
+      .def_readonly("budget_used", &Module::budget_used,
+                    "Bytes the parse charged against its memory budget.")
+      .def_readonly("budget_limit", &Module::budget_limit,
+                    "The memory budget of the parse: BUDGET_BYTES_PER_INPUT_BYTE "
+                    "per input byte plus BUDGET_BASE_BYTES.")
+      .def_readonly("while_walk_steps", &Module::while_walk_steps,
+                    "Steps the while-body instruction count took (bounded by "
+                    "WHILE_WALK_STEPS_PER_EDGE per computation and call edge).");
 
   m.def(
       "read_module",
