@@ -411,6 +411,22 @@ def test_default_placement_and_override(mesh):
     assert spec(m.d) == "{devices=[1,8]0,1,2,3,4,5,6,7}"
 
 
+def test_replicated_parameter_warning_once_per_parameter_and_never_lost(mesh):
+    for _ in range(20):  # freed parameters' ids are reused: every new parameter still warns
+        with pytest.warns(UserWarning, match=r"weight \(3, 5\).*replicated") as record:
+            fully_shard(nn.Linear(5, 3), mesh=mesh)
+        assert len(record) == 2  # weight and bias
+    model = nn.Module()
+    model.a, model.b = nn.Linear(5, 3), nn.Linear(5, 3)
+    model.b.weight = model.a.weight
+    with pytest.warns(UserWarning) as record:
+        fully_shard(model.a, mesh=mesh)
+    assert sorted(str(w.message).split()[4] for w in record) == ["bias", "weight"]
+    with pytest.warns(UserWarning) as record:  # a.weight moves to the root, already placed: not again
+        fully_shard(model, mesh=mesh)
+    assert [str(w.message).split()[4] for w in record] == ["b.bias"]
+
+
 def _step_hlo_opcodes(model, device, mesh) -> list[str]:
     (_, _), (tx, gx) = batch(device, mesh)
     loss = loss_fn(model, tx, gx)

@@ -173,9 +173,6 @@ def _axis_size(mesh, axis) -> int:
     return int(mesh.mesh_shape[index])
 
 
-_warned_replicated: set[int] = set()
-
-
 def _placement(param: torch.Tensor, fqn: str, size: int, fn: Callable | None) -> int | None:
     dim = fn(param) if fn is not None else None
     if dim is not None:
@@ -194,10 +191,8 @@ def _placement(param: torch.Tensor, fqn: str, size: int, fn: Callable | None) ->
     divisible = [d for d in range(param.dim()) if param.shape[d] % size == 0]
     if divisible:
         return max(divisible, key=lambda d: (param.shape[d], -d))
-    if id(param) not in _warned_replicated:
-        _warned_replicated.add(id(param))
-        warnings.warn(f"fully_shard: no dimension of {fqn} {tuple(param.shape)} divides over the {size}-way "
-                      f"fsdp axis; it stays replicated", stacklevel=3)
+    warnings.warn(f"fully_shard: no dimension of {fqn} {tuple(param.shape)} divides over the {size}-way "
+                  f"fsdp axis; it stays replicated", stacklevel=3)
     return None
 
 
@@ -733,10 +728,12 @@ def fully_shard(
         if p.device.type not in ("cpu", "xla"):
             raise ValueError(f"{slot.fqn} is on {p.device}; fully_shard moves parameters from the CPU to the XLA "
                              f"device, but not from {p.device.type}")
+        applied = _applied_spec(p)
+        if applied is not None:  # placed (and warned about) when it was first sharded
+            slot.spec = applied
+            continue
         dim = _placement(p, slot.fqn, size, shard_placement_fn)
         slot.spec = _spec(p, dim, axis)
-        if _applied_spec(p) is not None:
-            continue
         existing = _current_spec(p)
         if existing and existing != _spec_string(mesh, slot.spec, p):
             raise ValueError(f"{slot.fqn} already has the sharding {existing}, which conflicts with fully_shard's "
