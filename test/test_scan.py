@@ -13,42 +13,15 @@ from functorch.compile import min_cut_rematerialization_partition
 import torch_xla_ext as txe
 from torch_xla_ext.scan import clear_scan_cache, scan_cache_info
 from torch_xla_ext.testing import measure_transfers
+from torch_xla_ext.testing.tolerances import tolerance
+
+from scan_reference import assert_close_trees, python_scan, to_cpu
 
 X = torch_xla._XLAC
 
 
 def spec(t: torch.Tensor) -> str:
     return X._get_xla_sharding_spec(t)
-
-
-def python_scan(fn, init, xs, length=None, reverse=False):
-    """The reference: jax.lax.scan's semantics as a Python loop."""
-    import torch.utils._pytree as pt
-
-    n = length if xs is None else pt.tree_leaves(xs)[0].shape[0]
-    carry, ys = init, [None] * n
-    for i in reversed(range(n)) if reverse else range(n):
-        x = None if xs is None else pt.tree_map(lambda v, i=i: v[i], xs)
-        carry, ys[i] = fn(carry, x)
-    if n == 0:
-        return carry, None
-    return carry, pt.tree_map(lambda *v: None if v[0] is None else torch.stack(v), *ys)
-
-
-def to_cpu(tree):
-    import torch.utils._pytree as pt
-
-    return pt.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, tree)
-
-
-def assert_close_trees(a, b, **kw):
-    import torch.utils._pytree as pt
-
-    la, sa = pt.tree_flatten(to_cpu(a))
-    lb, sb = pt.tree_flatten(to_cpu(b))
-    assert sa == sb
-    for x, y in zip(la, lb):
-        torch.testing.assert_close(x, y, **kw)
 
 
 # --------------------------------------------------------------------------- values
