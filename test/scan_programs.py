@@ -1,0 +1,356 @@
+"""Differential testing of scan and scan_layers: small random step programs checked against the Python loop.
+
+A :class:`Program` is drawn from a seed (:func:`draw`): a short sequence of ops
+on the carry (elementwise maps, matmuls with an x slice or an outside weight,
+reductions, in-place updates of the carry, of the x slice and of tensors the
+step creates, setitem), a carry that is a tensor or a pytree, ys that are a
+tensor, a pytree with a None leaf, or None, ``reverse``, scanning over
+``length`` without xs, float32 or bfloat16, with or without gradients, and a
+closure over a context dict holding outside tensors and Python numbers.
+
+:func:`check` runs a program three times through ``txe.scan`` (and, for layer
+programs, ``txe.scan_layers`` over modules whose forward is the program):
+
+1. cold, with the context's first values, against the Python loop on the CPU;
+2. again with the same values: served from the cache, bit-identical to call 1;
+3. with new context values (new tensors, new Python numbers) and new inputs:
+   against the Python loop again, so a stale plan shows as a wrong number.
+
+Values and gradients (of init, xs, the outside tensors, the layers'
+parameters) are compared with :func:`~torch_xla_ext.testing.tolerances.tolerance`
+for the program's dtype and the length of its longest accumulation chain;
+scan_layers programs also compare the buffers each layer updates in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import torch
+import torch.utils._pytree as pt
+
+import torch_xla_ext as txe
+from torch_xla_ext.scan import scan_cache_info
+from torch_xla_ext.testing.tolerances import tolerance
+
+from scan_reference import python_scan
+
+__all__ = ["Program", "draw", "check"]
+
+_ACTS = {"tanh": torch.tanh, "sin": torch.sin, "sigmoid": torch.sigmoid}
+# Ops that read the x slice; a program scanning over ``length`` alone has none.
+_NEEDS_X = {"mm_x", "add_x", "iadd_x_slice"}
+_OPS = ["ew", "mm_out", "mm_x", "bias", "center", "norm", "imul_created", "setitem", "add_x", "iadd_x_slice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    seed: int
+    dtype: torch.dtype
+    batch: int
+    dim: int
+    length: int
+    reverse: bool
+    xs_none: bool
+    pytree_carry: bool
+    y_kind: str            # "sum" | "tree" | "none"
+    grad: bool
+    iadd_carry: bool       # the step starts with an in-place update of its carry
+    ops: tuple[tuple, ...]
+    layers: bool           # also run as scan_layers over modules
+    buffers: bool          # the layers update buffers in place
+
+    def describe(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields["dtype"] = str(self.dtype).replace("torch.", "")
+        return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def draw(seed: int) -> Program:
+    """The program of ``seed`` (the same on every machine and run)."""
+    rng = random.Random(seed)
+    xs_none = rng.random() < 0.15
+    ops = []
+    for _ in range(rng.randint(1, 5)):
+        name = rng.choice([o for o in _OPS if not (xs_none and o in _NEEDS_X)])
+        ops.append((name, rng.choice(sorted(_ACTS))) if name == "ew" else (name,))
+    # The last op adds (saves nothing for the backward), so the next iteration's
+    # in-place update of the carry is legal in the eager reference too.
+    ops.append(("add_x",) if not xs_none else ("bias",))
+    layers = not xs_none and rng.random() < 0.4
+    return Program(
+        seed=seed,
+        dtype=torch.bfloat16 if rng.random() < 0.2 else torch.float32,
+        batch=rng.choice([1, 2, 3]),
+        dim=rng.choice([4, 8, 16]),
+        length=rng.choice([1, 2, 3, 5]),
+        reverse=rng.random() < 0.3,
+        xs_none=xs_none,
+        pytree_carry=rng.random() < 0.3,
+        y_kind=rng.choice(["sum", "tree", "none"]),
+        grad=rng.random() < 0.6,
+        iadd_carry=rng.random() < 0.3,
+        ops=tuple(ops),
+        layers=layers,
+        buffers=layers and rng.random() < 0.5,
+    )
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _apply(op: tuple, h: torch.Tensor, w: torch.Tensor | None, a: torch.Tensor | None, ctx: dict) -> torch.Tensor:
+    name = op[0]
+    if name == "ew":
+        return _ACTS[op[1]](h * ctx["s"] + ctx["k"])
+    if name == "mm_out":
+        return torch.tanh(h @ ctx["W"])
+    if name == "mm_x":
+        return torch.tanh(h @ w)
+    if name == "bias":
+        return h + ctx["b"]
+    if name == "center":
+        return h - h.mean(-1, keepdim=True)
+    if name == "norm":
+        return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1.0)
+    if name == "imul_created":
+        t = h * 1
+        t.mul_(ctx["s"])
+        return t
+    if name == "setitem":
+        t = torch.zeros_like(h)
+        half = h.shape[-1] // 2
+        t[..., :half] = h[..., :half]
+        return h + t * ctx["s"]
+    if name == "add_x":
+        return h + a
+    if name == "iadd_x_slice":
+        a.mul_(ctx["s"])  # an in-place update of the x slice (fn's own copy)
+        return h + a
+    raise AssertionError(name)
+
+
+def _body(p: Program, h: torch.Tensor, w, a, ctx: dict) -> torch.Tensor:
+    if p.iadd_carry:
+        h.add_(ctx["k"])  # in place on the carry fn received
+    for op in p.ops:
+        h = _apply(op, h, w, a, ctx)
+    return h
+
+
+def _y(p: Program, h: torch.Tensor):
+    if p.y_kind == "sum":
+        return h.sum(-1)
+    if p.y_kind == "tree":
+        return {"s": h.sum(-1), "d": (h * 2, None)}
+    return None
+
+
+def make_step(p: Program, ctx: dict):
+    def step(carry, x):
+        h = carry["h"] if p.pytree_carry else carry
+        w, a = (None, None) if x is None else (x["w"], x["a"])
+        h = _body(p, h, w, a, ctx)
+        new = {"h": h, "n": carry["n"] + 1} if p.pytree_carry else h
+        return new, _y(p, h)
+
+    return step
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, p: Program, ctx: dict, gen: torch.Generator) -> None:
+        super().__init__()
+        d = p.dim
+        self.p = p
+        self.w = torch.nn.Parameter(torch.randn(d, d, generator=gen) / math.sqrt(d))
+        self.a = torch.nn.Parameter(torch.randn(d, generator=gen) * 0.5)
+        if p.buffers:
+            self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+            self.register_buffer("avg", torch.zeros(d))
+        self.__dict__["ctx"] = ctx  # shared, not a submodule
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # A parameter must not be written in place (scan_layers refuses it):
+        # iadd_x_slice updates a copy of the layer's vector.
+        a = self.a * 1 if any(op[0] == "iadd_x_slice" for op in self.p.ops) else self.a
+        h = _body(self.p, h, self.w, a, self.ctx)
+        if self.p.buffers:
+            self.count.add_(1)
+            self.avg.mul_(0.5).add_(h.detach().float().mean(0) * 0.5)
+        return h
+
+
+# ------------------------------------------------------------------------- checking
+
+
+def _context(p: Program, gen: torch.Generator, device) -> dict:
+    d = p.dim
+    return {
+        "W": (torch.randn(d, d, generator=gen) / math.sqrt(d)).to(p.dtype).to(device).requires_grad_(p.grad),
+        "b": (torch.randn(d, generator=gen) * 0.5).to(p.dtype).to(device).requires_grad_(p.grad),
+        "s": round(0.5 + torch.rand((), generator=gen).item(), 3),
+        "k": round(torch.rand((), generator=gen).item() - 0.5, 3),
+    }
+
+
+def _inputs(p: Program, gen: torch.Generator) -> tuple:
+    d, b, n = p.dim, p.batch, p.length
+    h = torch.randn(b, d, generator=gen).to(p.dtype)
+    init = {"h": h, "n": torch.zeros((), dtype=torch.int32)} if p.pytree_carry else h
+    xs = None if p.xs_none else {"w": (torch.randn(n, d, d, generator=gen) / math.sqrt(d)).to(p.dtype),
+                                 "a": (torch.randn(n, b, d, generator=gen) * 0.5).to(p.dtype)}
+    return init, xs
+
+
+def _to(tree, device, grad: bool):
+    def move(t):
+        if t is None:
+            return None
+        t = t.detach().to(device)
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    return pt.tree_map(move, tree)
+
+
+def _ctx_to(ctx: dict, device) -> dict:
+    return {k: (v.detach().to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
+            for k, v in ctx.items()}
+
+
+def _loss(carry, ys, weights: torch.Tensor) -> torch.Tensor:
+    total = sum((leaf.float() * leaf.float()).sum() for leaf in _leaves(carry) if leaf.is_floating_point())
+    for leaf in _leaves(ys):
+        flat = leaf.float().reshape(-1)
+        total = total + (flat * weights[: flat.numel()].to(flat.device)).sum()
+    return total
+
+
+def _grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros(t.shape) if t.grad is None else t.grad.detach().float().cpu() for t in tensors]
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    return [t for t in pt.tree_leaves(tree) if t is not None]
+
+
+def _run_scan(p: Program, step, init, xs, ctx: dict, use_txe: bool, weights: torch.Tensor):
+    # Fresh copies: scan never writes into init or xs, the loop's fn would.
+    fresh = pt.tree_map(lambda t: None if t is None else t * 1 if t.is_floating_point() else t.clone(), (init, xs))
+    with torch.set_grad_enabled(p.grad):
+        if use_txe:
+            carry, ys = txe.scan(step, fresh[0], fresh[1], length=p.length, reverse=p.reverse)
+        else:
+            carry, ys = python_scan(step, fresh[0], fresh[1], length=p.length, reverse=p.reverse)
+    leaves = [t for t in _leaves((init, xs)) if t.requires_grad] + [v for v in ctx.values()
+                                                                    if isinstance(v, torch.Tensor)]
+    grads = []
+    if p.grad:
+        _loss(carry, ys, weights).backward()
+        grads = _grads(leaves)
+    values = [t.detach().float().cpu() for t in _leaves((carry, ys))]
+    return values, grads, pt.tree_structure((carry, ys))
+
+
+def _run_layers(p: Program, layers: torch.nn.ModuleList, h: torch.Tensor, use_txe: bool, weights):
+    with torch.set_grad_enabled(p.grad):
+        if use_txe:
+            out = txe.scan_layers(layers, h * 1)
+        else:
+            out = h * 1
+            for layer in layers:
+                out = layer(out)
+    grads = []
+    if p.grad:
+        _loss(out, None, weights).backward()
+        grads = _grads([h, *layers.parameters(), *(v for v in layers[0].ctx.values() if isinstance(v, torch.Tensor))])
+        layers.zero_grad()
+    buffers = [b.detach().float().cpu() for b in layers.buffers()]
+    return [out.detach().float().cpu()], grads, buffers
+
+
+def _tol(p: Program, reference: torch.Tensor) -> dict:
+    chain = p.length * (p.dim + 2) * (len(p.ops) + 2)
+    scale = max(1.0, float(reference.float().pow(2).mean().sqrt())) if reference.numel() else 1.0
+    # The reference is the same program in the same dtype on the CPU, op by op;
+    # XLA fuses and may keep low-precision intermediates in float32.
+    return tolerance(p.dtype, chain, scale=scale)
+
+
+def _compare(what: str, got: list, want: list, p: Program) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} tensors, expected {len(want)}"
+    for k, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, **_tol(p, w), msg=lambda m, k=k: f"{what}[{k}]: {m}")
+
+
+def check(p: Program, device) -> dict:
+    """Run ``p`` cold, cached and with new values through scan (and scan_layers); raise on any mismatch.
+
+    Returns counters: how many plans each call built and served from the cache.
+    """
+    gen = torch.Generator().manual_seed(p.seed)
+    weights = torch.randn(4096, generator=gen)
+    stats = {"scan_traces": 0, "scan_hits": 0}
+    ctx_cpu = _context(p, gen, "cpu")
+    init, xs = _inputs(p, gen)
+    new_ctx_cpu = _context(p, gen, "cpu")
+    new_init, new_xs = _inputs(p, gen)
+
+    # One step function per side, as a user keeps one: each round puts new
+    # values (new tensor objects, new Python numbers) into the dict it reads.
+    ctx_dev, ctx_ref = {}, {}
+    step_dev, step_ref = make_step(p, ctx_dev), make_step(p, ctx_ref)
+
+    def scan_round(ctx_cpu_vals, init_c, xs_c):
+        ctx_dev.update(_ctx_to(ctx_cpu_vals, device))
+        ctx_ref.update(_ctx_to(ctx_cpu_vals, "cpu"))
+        got = _run_scan(p, step_dev, _to(init_c, device, p.grad), _to(xs_c, device, p.grad), ctx_dev, True,
+                        weights)
+        ref = _run_scan(p, step_ref, _to(init_c, "cpu", p.grad), _to(xs_c, "cpu", p.grad), ctx_ref, False,
+                        weights)
+        assert got[2] == ref[2], f"output structure {got[2]} != {ref[2]}"
+        return got, ref
+
+    before = scan_cache_info()
+    cold, ref = scan_round(ctx_cpu, init, xs)
+    _compare("cold values", cold[0], ref[0], p)
+    _compare("cold grads", cold[1], ref[1], p)
+    mid = scan_cache_info()
+    cached, _ = scan_round(ctx_cpu, init, xs)
+    after = scan_cache_info()
+    assert after.hits == mid.hits + 1 and after.traces == mid.traces, "an unchanged call was not served from the cache"
+    for what, a, b in (("values", cached[0], cold[0]), ("grads", cached[1], cold[1])):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"cached call's {what} differ from the cold call's"
+    changed, ref = scan_round(new_ctx_cpu, new_init, new_xs)
+    _compare("changed-context values", changed[0], ref[0], p)
+    _compare("changed-context grads", changed[1], ref[1], p)
+    end = scan_cache_info()
+    stats["scan_traces"], stats["scan_hits"] = end.traces - before.traces, end.hits - before.hits
+
+    if p.layers:
+        _check_layers(p, gen, ctx_cpu, new_ctx_cpu, device, weights)
+    return stats
+
+
+def _check_layers(p: Program, gen: torch.Generator, ctx_cpu: dict, new_ctx_cpu: dict, device, weights) -> None:
+    ctx_dev, ctx_ref = _ctx_to(ctx_cpu, device), _ctx_to(ctx_cpu, "cpu")
+    cpu_layers = torch.nn.ModuleList([_Layer(p, ctx_ref, gen) for _ in range(p.length)]).to(p.dtype)
+    dev_layers = torch.nn.ModuleList([_Layer(p, ctx_dev, gen) for _ in range(p.length)])
+    dev_layers.load_state_dict(cpu_layers.state_dict())
+    dev_layers = dev_layers.to(p.dtype).to(device)
+    if p.buffers:  # buffers compared against the loop on the device: the CPU one would differ by rounding only
+        loop_layers = torch.nn.ModuleList([_Layer(p, ctx_dev, gen) for _ in range(p.length)])
+        loop_layers.load_state_dict(cpu_layers.state_dict())
+        loop_layers = loop_layers.to(p.dtype).to(device)
+    for round_ctx in (ctx_cpu, ctx_cpu, new_ctx_cpu):
+        for ctx, vals in ((ctx_dev, _ctx_to(round_ctx, device)), (ctx_ref, _ctx_to(round_ctx, "cpu"))):
+            ctx.update(vals)
+        h_cpu = torch.randn(p.batch, p.dim, generator=gen).to(p.dtype)
+        got = _run_layers(p, dev_layers, h_cpu.to(device).requires_grad_(p.grad), True, weights)
+        ref = _run_layers(p, cpu_layers, h_cpu.clone().requires_grad_(p.grad), False, weights)
+        _compare("scan_layers values", got[0], ref[0], p)
+        _compare("scan_layers grads", got[1], ref[1], p)
+        if p.buffers:
+            loop = _run_layers(p, loop_layers, h_cpu.to(device).requires_grad_(p.grad), False, weights)
+            _compare("scan_layers buffers", got[2], loop[2], p)

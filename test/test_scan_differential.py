@@ -1,0 +1,24 @@
+"""scan and scan_layers against the Python loop on random step programs (see scan_programs.py).
+
+A fixed, derandomized set of seeds runs in the suite; ``scripts/fuzz_scan.py``
+runs as many as asked. A failure names the seed and the program, so
+``check(draw(seed), device)`` reproduces it.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+
+from scan_programs import check, draw
+
+
+@settings(derandomize=True, max_examples=16, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_scan_matches_the_python_loop_on_random_programs(device, seed):
+    program = draw(seed)
+    try:
+        check(program, device)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {program.describe()}\n{error}") from None
