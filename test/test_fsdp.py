@@ -310,6 +310,24 @@ def test_load_state_dict_with_assign_into_a_submodule_keeps_ties_and_sharding(de
     assert spec(new.grad) == FSDP8 and spec(linear.bias.grad) == FSDP8_1D
 
 
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+def test_load_state_dict_keeps_a_replicated_subtree_on_the_device(mesh, assign):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    replicate(model[1])
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(4)
+    saved = {k: torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"cannot assign '1.bias': the tensor is on meta.*replicate"):
+        model.load_state_dict({**saved, "1.bias": torch.empty(8, device="meta")}, assign=True)
+    assert all(p.device.type == "xla" for p in model.parameters())
+    model.load_state_dict(saved, assign=assign)
+    assert all(p.device.type == "xla" for p in model.parameters())
+    assert spec(model[0].weight) == FSDP8 and spec(model[1].weight) in ("", "{replicated}")
+    assert [p for _, p in model.managed_named_parameters()] == [model[0].weight, model[0].bias]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value.cpu(), saved[key], **EXACT, msg=key)
+
+
 def test_load_state_dict_with_swapping_parameters_is_refused(mesh):
     model = fully_shard(nn.Linear(8, 16), mesh=mesh)
     saved = {k: v.cpu() + 1 for k, v in model.state_dict().items()}

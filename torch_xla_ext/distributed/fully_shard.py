@@ -491,6 +491,8 @@ def _plan(top: nn.Module, fsdp_ids: set[int], ignored: Iterable[nn.Parameter]) -
 
 # On every module holding a managed registration: {local name: (state, slot)}.
 _OWNERS = "_txe_fsdp_owners"
+# On every module holding a parameter of a replicate()-d subtree: {local names}.
+_REPLICAS = "_txe_replicate_params"
 _LOAD_HOOKS = "_txe_fsdp_load_hooks"
 _load_local = threading.local()
 
@@ -508,6 +510,7 @@ class _LoadSession:
     owner: nn.Module
     missing_keys: list
     registrations: list[tuple[nn.Module, str]]
+    replicas: list[tuple[nn.Module, str]]
 
 
 def _hook_loads(module: nn.Module) -> None:
@@ -517,15 +520,16 @@ def _hook_loads(module: nn.Module) -> None:
         module.__dict__[_LOAD_HOOKS] = True
 
 
-def _registrations_under(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """``(holder, local name, key relative to module)`` of every managed registration under ``module``."""
+def _registrations_under(module: nn.Module, attribute: str) -> list[tuple[nn.Module, str, str]]:
+    """``(holder, local name, key relative to module)`` of every registration under ``module``
+    listed in its holder's ``attribute`` (managed ones: ``_OWNERS``; replicated ones: ``_REPLICAS``)."""
     tree = module_tree(module)
     found = []
     for i, holder in enumerate(tree.modules):
-        owners = holder.__dict__.get(_OWNERS)
-        if owners:
+        names = holder.__dict__.get(attribute)
+        if names:
             base = tree.fqn(i)
-            found.extend((holder, name, f"{base}.{name}" if base else name) for name in owners)
+            found.extend((holder, name, f"{base}.{name}" if base else name) for name in names)
     return found
 
 
@@ -626,12 +630,21 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
             "torch.__future__.set_swap_module_params_on_conversion(True): swapping would drop the parameters' "
             "sharding and gradient hooks. Set it to False around load_state_dict; assign=False and assign=True "
             "both keep the sharding without it.")
-    registrations = _registrations_under(module)
+    registrations = _registrations_under(module, _OWNERS)
+    replicas = _registrations_under(module, _REPLICAS)
     if local_metadata.get("assign_to_params_buffers", False):
         _check_assignable(registrations, state_dict, prefix)
+        for _, _, key in replicas:
+            value = state_dict.get(prefix + key)
+            if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "xla"):
+                raise ValueError(
+                    f"load_state_dict(assign=True) cannot assign '{prefix + key}': the tensor is on {value.device}, "
+                    f"and a parameter of a replicate()-d module lives on the XLA device. Pass CPU or XLA tensors "
+                    f"(CPU tensors are uploaded), or load with assign=False (the default), which copies in place.")
     else:
         _stage_host_values(registrations, state_dict, prefix)
-    _load_local.session = _LoadSession(module, missing_keys, [(h, n) for h, n, _ in registrations])
+    _load_local.session = _LoadSession(module, missing_keys, [(h, n) for h, n, _ in registrations],
+                                       [(h, n) for h, n, _ in replicas])
 
 
 def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
@@ -650,6 +663,13 @@ def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
             per_state[id(slot.param)] = current if current is not None and current is not slot.param else None
     for state, per_state in replaced.values():
         state.adopt(per_state)
+    if session.replicas:
+        import torch_xla
+
+        for holder, name in session.replicas:  # assign=True put host tensors there
+            p = holder._parameters.get(name)
+            if p is not None and p.device.type == "cpu":
+                _move_to(p, torch_xla.device())
 
 
 # --------------------------------------------------------------------------- #
@@ -809,7 +829,8 @@ def replicate(module: nn.Module, *, mesh: Any = None) -> nn.Module:
     An enclosing :func:`fully_shard` neither traverses nor manages a
     replicated subtree, including ``fully_shard``-ed modules inside it (they
     keep their own sharding). Parameters still on the CPU are moved to the
-    XLA device. Returns ``module``.
+    XLA device, and ``load_state_dict(assign=True)`` moves host tensors it
+    assigns there too. Returns ``module``.
     """
     import torch_xla
 
@@ -832,4 +853,10 @@ def replicate(module: nn.Module, *, mesh: Any = None) -> nn.Module:
         if p.device.type != "xla":
             _move_to(p, device)
     module.__dict__[_REPLICATE] = {"mesh": mesh}
+    for m in tree.modules:  # load_state_dict(assign=True) with host tensors moves them to the device too
+        names = [n for n, p in m._parameters.items() if p is not None]
+        if names:
+            m.__dict__.setdefault(_REPLICAS, {}).update(dict.fromkeys(names))
+            _hook_loads(m)
+    _hook_loads(module)
     return module
