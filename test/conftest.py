@@ -1,9 +1,13 @@
-"""Test session setup: an 8-device PJRT CPU client in SPMD mode.
+"""Test session setup: an 8-device PJRT CPU client in SPMD mode, and no test left to chance.
 
 The environment must be set before torch_xla is imported, SPMD must be enabled
 before the first XLA tensor exists, and the XLA device is touched once before
 any CPU-only backward runs (torch 2.9 sizes autograd's per-device queues at the
 first backward in the process).
+
+Every test starts from the same random state (torch, numpy and ``random`` are
+seeded before each one), and hypothesis runs derandomized with no example
+database: a test that passes once passes every time.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import os
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
 
+import random  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
@@ -23,6 +30,17 @@ xr.use_spmd()
 torch.zeros(1, device=torch_xla.device())
 
 pytest_plugins = ["pytester"]
+
+settings.register_profile("torch_xla_ext", derandomize=True, database=None, deadline=None)
+settings.load_profile("torch_xla_ext")
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Seed every source of randomness a test may draw from, before each test."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
 
 
 @pytest.fixture(scope="session")
