@@ -658,3 +658,14 @@ def test_bound_methods_are_cached(device):
     after = scan_cache_info()
     assert after.traces == before.traces and after.hits == before.hits + 1
     torch.testing.assert_close(carry.cpu(), torch.full((3,), 1.5))
+
+
+def test_scan_layers_with_a_layer_on_the_cpu_names_it_and_the_fix(device):
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    x = torch.ones(2, 4, device=device)
+    with pytest.raises(TypeError, match=r"layers\[0\]\.weight is on cpu; move the layers to the XLA device"):
+        txe.scan_layers(layers, x)
+    layers[0].to(device)
+    layers[2].to(device)
+    with pytest.raises(TypeError, match=r"layers\[1\]\.weight is on cpu"):
+        txe.scan_layers(layers, x)

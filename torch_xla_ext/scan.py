@@ -1242,10 +1242,12 @@ def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
     first = layers[0]
     ref = _layer_state(first)
     names = list(ref)
+    for i, layer in enumerate(layers):
+        for name, t in _layer_state(layer).items():
+            if t.device.type != "xla":
+                raise TypeError(f"scan_layers: layers[{i}].{name} is on {t.device}; move the layers to the XLA "
+                                f"device first (layers.to(torch_xla.device()))")
     ref_specs = _canonical_specs(list(ref.values()))
-    for name, t in ref.items():
-        if t.device.type != "xla":
-            raise TypeError(f"scan_layers: layers[0].{name} is on {t.device}; move the layers to the XLA device")
     for i, layer in enumerate(layers[1:], start=1):
         if type(layer) is not type(first):
             raise TypeError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
