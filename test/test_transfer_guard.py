@@ -1,7 +1,12 @@
-"""transfer_guard: explicit-transfer interception, metric deltas, nesting, pytest plugin."""
+"""transfer_guard: explicit-transfer interception, metric deltas, nesting, threads, pytest plugin."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import random
+import sys
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -227,3 +232,292 @@ def test_pytest_marker_fails_transferring_tests(pytester):
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*HostTransferError*Tensor.cpu()*"])
     assert "test_bad" in "\n".join(result.stdout.lines)
+
+
+# --------------------------------------------------------------------------- #
+# Threads: the Python layer is per thread; the metric layer is process-wide and
+# subtracts only what it saw other threads move through explicit calls.
+# --------------------------------------------------------------------------- #
+
+_tg = sys.modules["torch_xla_ext.transfer_guard"]
+
+
+@pytest.fixture
+def worker():
+    """One other Python thread; ``worker.submit(fn).result()`` runs ``fn`` there, start to end.
+
+    Submitting from inside a guarded block and waiting for the result puts the
+    other thread's whole call inside the block, whatever the scheduling.
+    """
+    with txe.transfer_guard("allow"):  # the first guard wraps torch's device->host calls
+        pass
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla-worker") as pool:
+        yield pool
+
+
+@pytest.fixture
+def host_mapping(sharded):
+    """A lowering whose host parameter mapping transfers inside C++ (no Python tensor call)."""
+    ctx = torch_xla._XLAC.lowering.LoweringContext("threads")
+    ctx.build([sharded * 11])
+    with measure_transfers() as m:
+        ctx.parameter_id_tensor_mapping()
+    assert m.d2h_transfers >= 1, m.report()
+    return ctx, m.d2h_transfers
+
+
+def test_python_layer_does_not_intercept_other_threads(sharded, worker):
+    with measure_transfers() as m:
+        with txe.no_host_transfers():
+            host = worker.submit(sharded.cpu).result()  # not this thread's call: no error
+    assert host.shape == (32, 16)
+    assert m.d2h_transfers == 1, m.report()  # it did move, inside the guarded block
+
+    # And a guard open in the other thread does not intercept this thread.
+    opened, release = threading.Event(), threading.Event()
+
+    def guarded_wait() -> None:
+        with txe.no_host_transfers():
+            opened.set()
+            assert release.wait(60)
+
+    done = worker.submit(guarded_wait)
+    assert opened.wait(60)
+    with measure_transfers() as m:
+        sharded.cpu()
+    release.set()
+    done.result()  # the other thread's guard does not blame it on itself either
+    assert m.d2h_transfers == 1, m.report()
+
+
+def test_other_threads_explicit_transfers_are_not_blamed(sharded, worker):
+    # The issue's reproducer, made deterministic: the other thread's .cpu() runs
+    # entirely inside each guarded block (the block waits for it).
+    for _ in range(20):
+        with measure_transfers() as m:
+            with txe.no_host_transfers():
+                worker.submit(lambda: [sharded.cpu() for _ in range(3)]).result()
+        assert m.d2h_transfers == 3 and m.replicate_sharded_data == 3, m.report()
+
+
+def test_other_thread_transferring_in_a_loop_is_not_blamed(sharded, worker):
+    # The literal reproducer: another thread calls .cpu() back to back, so its
+    # calls also straddle the start and the end of each block. Each block waits
+    # until at least two of that thread's calls completed inside it.
+    stop = threading.Event()
+    completed = [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            sharded.cpu()
+            completed[0] += 1
+
+    running = worker.submit(loop)
+    try:
+        for _ in range(20):
+            with measure_transfers() as m:
+                with txe.no_host_transfers():
+                    first = completed[0]
+                    while completed[0] < first + 2:
+                        time.sleep(0.0005)
+            assert m.d2h_transfers >= 1, m.report()
+    finally:
+        stop.set()
+        running.result()
+
+
+def test_own_transfer_in_cpp_still_raises_while_another_thread_transfers(sharded, worker, host_mapping):
+    ctx, mapping_transfers = host_mapping
+    with measure_transfers() as m:
+        with pytest.raises(txe.HostTransferError) as info:
+            with txe.no_host_transfers():
+                worker.submit(sharded.cpu).result()
+                ctx.parameter_id_tensor_mapping()  # this thread, inside C++
+                worker.submit(lambda: sharded.sum().item()).result()
+    assert m.d2h_transfers == mapping_transfers + 2, m.report()
+    message = str(info.value)
+    total = mapping_transfers + 2
+    assert f"device->host: {mapping_transfers} of the block's {total} transfer(s)" in message
+    assert "2 matched to" in message and "xla-worker" in message
+    assert "Tensor.cpu()" in message and "Tensor.item()" in message
+    assert "Other Python threads were alive" in message
+
+
+def test_own_explicit_transfer_raises_before_moving_while_another_thread_transfers(sharded, worker):
+    with measure_transfers() as m:
+        with pytest.raises(txe.HostTransferError, match=r"Tensor\.cpu\(\) on shape \(32, 16\)"):
+            with txe.no_host_transfers():
+                worker.submit(sharded.cpu).result()
+                sharded.cpu()
+    assert m.d2h_transfers == 1, m.report()  # the other thread's only
+
+
+def test_other_threads_transfer_inside_cpp_cannot_be_told_apart(worker, host_mapping):
+    ctx, mapping_transfers = host_mapping
+    with measure_transfers() as m:
+        with pytest.raises(txe.HostTransferError) as info:
+            with txe.no_host_transfers():  # this thread moves nothing
+                worker.submit(ctx.parameter_id_tensor_mapping).result()
+    assert m.d2h_transfers == mapping_transfers, m.report()
+    message = str(info.value)
+    assert "Other Python threads were alive during the block (xla-worker" in message
+    assert "process-wide" in message and "cannot be told apart" in message
+
+
+def test_host_to_device_is_not_attributed_to_threads(device, worker):
+    x = torch.randn(8).to(device)
+    torch_xla.sync()
+    value = float(np.random.default_rng().uniform(5.0, 6.0))  # a scalar torch_xla has never uploaded
+
+    def upload() -> None:
+        (x * value).sum()
+        torch_xla.sync()
+
+    with measure_transfers() as m:
+        with pytest.raises(txe.HostTransferError) as info:
+            with txe.transfer_guard_host_to_device("disallow"):
+                worker.submit(upload).result()
+    assert m.h2d_transfers >= 1 and not m.device_to_host, m.report()
+    message = str(info.value)
+    assert "Host->device transfers cannot be attributed to threads" in message
+    assert "xla-worker" in message
+
+
+def test_transfer_from_this_threads_backward_is_blamed(device):
+    # backward() of XLA tensors runs in autograd's device thread, not this one.
+    # A transfer made there is on this thread's behalf and is not excused.
+    w = torch.randn(4, device=device, requires_grad=True)
+    threads = []
+
+    def hook(grad):
+        threads.append(threading.current_thread())
+        grad.cpu()
+        return grad
+
+    w.register_hook(hook)
+    loss = (w * 2).sum()
+    with measure_transfers() as m:
+        with pytest.raises(txe.HostTransferError, match="device->host"):
+            with txe.no_host_transfers():
+                loss.backward()
+    assert m.d2h_transfers == 1, m.report()
+    assert threads and threads[0] is not threading.main_thread()
+
+
+def test_explicit_reads_are_recorded_with_or_without_a_guard(sharded, worker):
+    # A call that ends between two guards may still own a sample that another
+    # thread's overlapping call could be taken for, so every read is recorded.
+    before = list(_tg._calls)
+    worker.submit(sharded.cpu).result()
+    worker.submit(lambda: sharded.to(torch.float16)).result()  # device-side cast: no transfer
+    worker.submit(lambda: torch.ones(3).cpu()).result()  # host tensor: no transfer
+    new = [c for c in _tg._calls if c not in before]
+    assert [(c.thread_name.startswith("xla-worker"), c.op) for c in new] == [(True, "Tensor.cpu()")]
+    assert new[0].start_ns < new[0].end_ns and _tg._calls.maxlen == _tg._MAX_CALLS
+
+
+def test_wrapped_torch_methods_behave_like_torch(sharded, worker):
+    assert torch.Tensor.cpu.__name__ == "cpu" and torch.Tensor.to.__doc__
+    cpu = torch.arange(6.0).reshape(2, 3)
+    assert cpu.to(torch.float16).dtype == torch.float16
+    assert bool(cpu[0, 1]) and int(cpu[1, 2]) == 5 and cpu.tolist()[1] == [3.0, 4.0, 5.0]
+    assert torch.equal(cpu, cpu.clone()) and torch.allclose(cpu, cpu + 1e-9)
+    assert f"{cpu[0, 1]:.1f}" == "1.0" and "tensor" in repr(cpu)
+
+    def f(x):
+        return (x.to(torch.float16).cpu().float() + torch.empty_like(x).copy_(x)).sum()
+
+    explained = torch._dynamo.explain(f)(cpu)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+def _brute_force_certain(points, intervals):
+    def best(skip=None):
+        match = {}
+
+        def augment(i, seen):
+            for k, (lo, hi) in enumerate(intervals):
+                if lo <= points[i] <= hi and k not in seen:
+                    seen.add(k)
+                    if k not in match or augment(match[k], seen):
+                        match[k] = i
+                        return True
+            return False
+
+        return sum(augment(i, set()) for i in range(len(points)) if i != skip)
+
+    full = best()
+    return [best(skip=i) < full for i in range(len(points))]
+
+
+def test_certainly_matched_agrees_with_brute_force():
+    rng = random.Random(7)
+    for _ in range(500):
+        points = sorted(rng.randint(0, 20) for _ in range(rng.randint(0, 7)))
+        intervals = []
+        for _ in range(rng.randint(1, 6)):
+            lo = rng.randint(0, 20)
+            intervals.append((lo, lo + rng.randint(0, 8)))
+        assert _tg._certainly_matched(points, intervals) == _brute_force_certain(points, intervals)
+
+
+def _call(start: int, end: int) -> object:
+    return _tg._Call(thread=-1, thread_name="other", op="Tensor.cpu()", start_ns=start, end_ns=end)
+
+
+def test_a_call_explains_one_sample_not_two():
+    # Another thread's call [1000 us, 2000 us] and two samples inside it (its
+    # own, and one made at the same moment inside C++ by the guarded thread):
+    # either could be the call's, so neither is certainly the other thread's.
+    us = 1000
+    samples = _tg._Samples(count=2, times_ns=(1200 * us, 1800 * us), values=(64.0, 128.0))
+    result = _tg._unexplained(samples, [0, 1], [_call(1000 * us, 2000 * us)], running=[])
+    assert (result.count, result.total, result.value) == (2, 2, 64.0 + 128.0)
+    # The same with the second sample outside the block's window: the one inside
+    # may still be the guarded thread's (the call's own may be the later one).
+    assert _tg._unexplained(samples, [0], [_call(1000 * us, 2000 * us)], running=[]).count == 1
+    # One sample per call: both explained.
+    calls = [_call(1000 * us, 1500 * us), _call(1500 * us + 10 * us, 2000 * us)]
+    assert _tg._unexplained(samples, [0, 1], calls, running=[]).count == 0
+    # A sample outside every call's span is unexplained.
+    assert _tg._unexplained(samples, [0, 1], calls[:1], running=[]).count == 1
+
+
+def test_a_running_call_explains_nothing():
+    # A call still running may make its transfer later, so it cannot claim a
+    # sample of the block.
+    us = 1000
+    samples = _tg._Samples(count=3, times_ns=(1200 * us, 1800 * us), values=(64.0, 128.0))
+    result = _tg._unexplained(samples, [1, 2], [], running=[1000 * us])
+    assert (result.count, result.value) == (2, 64.0 + 128.0)
+    # Sample 0 has left the buffer. A call that started before the oldest kept
+    # sample may own the dropped one, so it is not certain to own sample 1 ...
+    result = _tg._unexplained(samples, [0, 1], [_call(1100 * us, 1300 * us)], running=[])
+    assert (result.count, result.evicted) == (2, 1)
+    # ... while a call that started after it does own the one sample it spans.
+    assert _tg._unexplained(samples, [2], [_call(1700 * us, 1900 * us)], running=[]).count == 0
+
+
+def test_unexplained_agrees_with_brute_force_matching():
+    # _unexplained keeps only the calls chained to the block's samples; the
+    # answer must be the one the whole matching problem gives.
+    rng = random.Random(11)
+    slack, never = _tg._SLACK_NS, _tg._NEVER
+    for _ in range(300):
+        first = rng.choice([0, 0, 2])
+        times = tuple(sorted(rng.randint(0, 100_000) for _ in range(rng.randint(1, 8))))
+        samples = _tg._Samples(count=first + len(times), times_ns=times, values=tuple(1.0 for _ in times))
+        calls = []
+        for _ in range(rng.randint(0, 6)):
+            start = rng.randint(-10_000, 100_000)
+            calls.append(_call(start, start + rng.randint(0, 30_000)))
+        running = [rng.randint(0, 100_000) for _ in range(rng.randint(0, 1))]
+        window = sorted(rng.sample(range(samples.count), rng.randint(1, samples.count)))
+
+        intervals = [(c.start_ns - slack, c.end_ns + slack) for c in calls] + [(r - slack, never) for r in running]
+        stand_ins = [c.start_ns - slack for c in calls if first and c.start_ns - slack <= times[0]]
+        points = sorted([(t, i) for i, t in enumerate(times)] + [(t, -1) for t in stand_ins + [never] * len(running)])
+        certain = _brute_force_certain([t for t, _ in points], intervals)
+        explained = {i for (_, i), flag in zip(points, certain) if flag and i >= 0}
+        expected = sum(1 for index in window if index < first or index - first not in explained)
+        assert _tg._unexplained(samples, window, calls, running).count == expected
