@@ -11,7 +11,10 @@ copied to the host).
 Tensors ``fn`` closes over are *lifted*: a ``TorchFunctionMode`` active while
 ``fn`` is traced substitutes each XLA tensor that was neither passed in nor
 created by ``fn`` with a placeholder, so outside tensors become explicit loop
-operands, receive gradients, and may not be mutated by ``fn``.
+operands, receive gradients, and may not be written by ``fn``. This lazy trace
+runs on every call (see :mod:`torch_xla_ext._lift`): the operands are the
+tensors ``fn`` reads on *this* call, and a lowered loop is reused only for a
+trace with the same fingerprint, so no value is ever served stale.
 
 Autograd: ``fn`` is split by AOTAutograd into a forward graph (outputs plus
 saved activations) and a backward graph, with ``partition_fn`` choosing what
@@ -792,7 +795,7 @@ def scan_cache_info() -> ScanCacheInfo:
 
 
 def clear_scan_cache() -> None:
-    """Forget every cached plan (and the outside tensors they reference) and scan_layers' stacking helpers."""
+    """Forget every cached plan (and the host tensors their fingerprints hold) and scan_layers' stacking helpers."""
     with _cache_lock:
         _cache.clear()
         _counters["traces"] = _counters["hits"] = 0
@@ -915,7 +918,13 @@ def scan(
         returns must have ``init``'s structure, shapes and dtypes; ``y`` leaves
         may be None. ``fn`` may read tensors defined outside it (weights,
         buffers, any XLA tensor): they become loop operands, keep their
-        sharding and receive gradients. It may not mutate them.
+        sharding and receive gradients. It may update its carry, its x slice
+        and tensors it creates in place: each iteration works on its own
+        copies, so ``init`` and ``xs`` are never written. It may not write into
+        tensors defined outside it (in place, ``out=``, ``.data``, a view,
+        ``copy_``, setitem): that raises before anything runs. A y that is a
+        carry leaf ``fn`` updated in place is refused (in the Python loop every
+        such y aliases the final carry).
       init: pytree of XLA tensors, the initial carry.
       xs: pytree of XLA tensors sharing a leading dimension N, or None (then
         ``length`` is required and ``fn`` receives ``x=None``).
@@ -926,10 +935,23 @@ def scan(
         (default; saves activations) or
         ``functorch.compile.min_cut_rematerialization_partition`` (recomputes
         cheap ones).
-      is_fn_pure: ``fn`` has no side effects and reads the same outside tensor
-        objects on every call; a later call with the same ``fn`` and the same
-        input structure, shapes, dtypes, shardings and ``requires_grad`` flags
-        then reuses the traced and lowered loop (see :func:`scan_cache_info`).
+      is_fn_pure: reuse lowered loops across calls (default True). Every call
+        still runs ``fn`` once, lazily on placeholders (host-side; nothing
+        executes), so it computes with what ``fn`` reads *on this call*: the
+        outside tensors (a dict entry or attribute now holding another
+        tensor, new values alike), Python numbers and other non-tensor
+        arguments of its torch calls, host tensors (by identity and version
+        counter). A loop lowered on an earlier call is reused only when this
+        trace matches it exactly (same torch calls with the same non-tensor
+        arguments, the same role for every tensor argument, the same graph)
+        and the inputs have the same structure, shapes, dtypes, shardings and
+        ``requires_grad`` flags; otherwise ``fn`` is lowered and compiled again
+        (at most 16 loops are kept per ``fn``; see :func:`scan_cache_info`).
+        For reuse to pay off, keep the Python numbers ``fn`` passes to torch
+        and its control flow the same between calls (pass a number that
+        changes every step, a learning rate say, as a tensor). Side effects
+        outside torch run once per call, at trace time, not once per
+        iteration. False: lower and compile on every call.
 
     Returns:
       ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.
@@ -1322,13 +1344,21 @@ def scan_layers(
     ``torch.func.functional_call``. Gradients land on each layer's own
     parameters, sharded like them. Nothing moves to the host.
 
+    Buffers a layer updates in place (BatchNorm's running statistics, a step
+    counter) are written back to each layer's own buffers, as the loop
+    writes them. A forward that writes into a parameter is refused before
+    anything runs. Layers may read tensors and Python values from outside
+    (a shared dict holding the attention mask, a config): every call reads
+    them as they are then (see ``is_fn_pure`` of :func:`scan`).
+
     Args:
       layers: a sequence (e.g. ``nn.ModuleList``) of modules mapping a tensor
         to a tensor of the same shape and dtype.
       x: the input, an XLA tensor.
       partition_fn: see :func:`scan`.
-      is_layer_pure: the layers' forward has no side effects; reuse the traced
-        loop on later calls with the same layers and input signature.
+      is_layer_pure: reuse the lowered loop on later calls with the same
+        layers and input signature when the forward's trace matches; the
+        contract of ``is_fn_pure`` in :func:`scan`.
     """
     layers = list(layers)
     if not all(isinstance(layer, torch.nn.Module) for layer in layers):
