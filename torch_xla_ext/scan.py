@@ -221,9 +221,10 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         with lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in)
         lifter.check_outside_unchanged()
+        bumped = tuple(k for k, (t, (v, _)) in enumerate(zip(carry_in + x_in, before)) if t._version != v)
         mutated = tuple(k for k, (t, (v, h)) in enumerate(zip(carry_in + x_in, before))
-                        if t._version != v or graph_hash([t]) != h)
-        _check_no_y_aliases_written_carry(ys, carry_in, mutated)
+                        if k in bumped or graph_hash([t]) != h)
+        _check_no_y_aliases_written_carry(ys, carry_in, bumped)
     else:
         outside_ph = [_placeholder(*s) for s in outside]
         outside_in = [_not_device_data(t) for t in outside_ph]
