@@ -163,7 +163,7 @@ def test_gradient_only_to_closure(device):
 
 @pytest.mark.parametrize("partition", [None, min_cut_rematerialization_partition], ids=["save", "mincut"])
 def test_backward_rereads_views_of_xs_instead_of_stacking_them(device, partition):
-    from torch_xla_ext.scan import _GradPlan
+    from torch_xla_ext._scan.autograd import _GradPlan
 
     def fn(c, w):  # c @ w.t() saves a transposed view of the x slice w for the backward
         return c * 2, c @ w.t()
@@ -495,7 +495,7 @@ def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
     ((), (), ((), ())),
 ])
 def test_stacked_members_merge_only_dims_that_keep_blocks_contiguous(shape, tiles, merged):
-    from torch_xla_ext.scan import _merged
+    from torch_xla_ext._scan.stacking import _merged
 
     assert _merged(shape, tiles) == merged
 

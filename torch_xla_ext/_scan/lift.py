@@ -29,6 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .._xla import xlac
+
 __all__ = ["Lifter", "graph_hash", "is_inplace_call"]
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
@@ -57,9 +59,7 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def graph_hash(tensors: Sequence[torch.Tensor]) -> bytes:
     """torch_xla's hash of the lazy graph computing ``tensors`` (structure, shapes, dtypes; not data)."""
-    import torch_xla
-
-    return bytes(torch_xla._XLAC._get_graph_hash(list(tensors))) if tensors else b""
+    return bytes(xlac()._get_graph_hash(list(tensors))) if tensors else b""
 
 
 class Lifter(TorchFunctionMode):

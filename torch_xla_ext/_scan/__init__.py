@@ -1,0 +1,31 @@
+"""``scan`` and ``scan_layers``: XLA ``while`` loops over a traced step function.
+
+``scan(fn, init, xs)`` has the semantics of ``jax.lax.scan``. The package is
+layered; each module holds one idea and imports only the ones above it:
+
+``lift``      a ``TorchFunctionMode`` that replaces the outside tensors a step
+              reads with stand-ins (loop operands), fingerprints the trace and
+              refuses writes into outside tensors.
+``trace``     runs a step lazily on placeholders under the lifter: nothing
+              executes and no device memory is allocated.
+``sharding``  reads and re-applies the shardings of inputs and outputs.
+``backend``   lowering choices made for one backend's code generation.
+``loop``      lowers one traced step into an XLA ``while`` loop with a named
+              operand layout, and adds it to the lazy graph.
+``autograd``  AOTAutograd's forward/backward split, each graph run as a loop.
+``cache``     the one registry of lowered loops (keyed by fn and fingerprint).
+``api``       ``scan``: argument checks and one call (trace, look up, run).
+``stacking``  stacking homogeneous layers' members, handing gradients back.
+``layers``    ``scan_layers`` on top of ``api`` and ``stacking``.
+
+Every call traces ``fn`` (host-side, cheap); a lowered loop is reused only for
+a trace with the same fingerprint, so no call reads a stale value.
+"""
+
+from __future__ import annotations
+
+from .api import scan
+from .cache import ScanCacheInfo, clear_scan_cache, scan_cache_info
+from .layers import scan_layers
+
+__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]

@@ -1,0 +1,236 @@
+"""``scan``: argument checks, flattening, and one call (trace, look up or lower, run)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .._xla import torch_xla_device
+from ..lowering import _require_xla_tensor
+from .autograd import _GradPlan, _ScanFunction
+from .cache import _cached_plan, _Plan
+from .loop import _lower, _run
+from .sharding import _canonical_specs, _shard_like
+from .trace import _signature, _trace, _Traced
+
+PyTree = Any
+
+
+def _leaves_with_paths(tree: PyTree, root: str) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
+    flat, spec = pytree.tree_flatten_with_path(tree)
+    return [(root + pytree.keystr(path), leaf) for path, leaf in flat], spec
+
+def _check_tensor_leaves(named: list[tuple[str, Any]], allow_none: bool, who: str = "") -> None:
+    for path, leaf in named:
+        if leaf is not None or not allow_none:
+            _require_xla_tensor(leaf, f"scan: {who}{path}")
+
+def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
+               found: dict[str, Any]) -> Callable:
+    """``fn`` on flat leaves, checking what it returns against ``init``."""
+
+    def step(carry_leaves: list[torch.Tensor], x_leaves: list[torch.Tensor]):
+        carry = pytree.tree_unflatten(carry_leaves, init_spec)
+        x = None if x_spec is None else pytree.tree_unflatten(x_leaves, x_spec)
+        out = fn(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"scan: fn must return a pair (carry, y), got {type(out).__name__}"
+                            + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+        named, spec = _leaves_with_paths(out[0], "carry")
+        if spec != init_spec:
+            raise ValueError(f"scan: fn returned a carry with structure {spec}, but init has structure "
+                             f"{init_spec}; the carry's structure must not change")
+        _check_tensor_leaves(named, allow_none=False, who="fn's returned ")
+        for (path, leaf), before in zip(named, carry_leaves):
+            if _signature(leaf) != _signature(before):
+                raise ValueError(
+                    f"scan: fn changed {path} from shape {tuple(before.shape)} {before.dtype} to "
+                    f"{tuple(leaf.shape)} {leaf.dtype}; the carry's shapes and dtypes must not change"
+                )
+        y_named, y_spec = _leaves_with_paths(out[1], "y")
+        _check_tensor_leaves(y_named, allow_none=True, who="fn's returned ")
+        found["y_spec"] = y_spec
+        found["y_none"] = tuple(leaf is None for _, leaf in y_named)
+        return [leaf for _, leaf in named], [leaf for _, leaf in y_named if leaf is not None]
+
+    return step
+
+def _make_plan(step: Callable, traced: _Traced, init: list[torch.Tensor], xs: list[torch.Tensor],
+               length: int, reverse: bool, partition_fn: Callable | None) -> _Plan:
+    """Lower the loops for ``traced`` (this call's lifting trace of ``step``)."""
+    outside = traced.outside
+    plan = _Plan([_signature(y) for y in traced.ys], traced.held)
+    if length == 0:
+        return plan
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(init, xs, outside))
+    if needs_grad:
+        carry_sig = [_signature(t) for t in init]
+        x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs]
+        plan.grad = _GradPlan(step, carry_sig, x_sig, [t.requires_grad for t in xs], outside,
+                              traced.mutated, length, reverse, partition_fn)
+    else:
+        plan.loop = _lower(traced, length, reverse, "scan")
+    return plan
+
+def scan(
+    fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    init: PyTree,
+    xs: PyTree,
+    *,
+    length: int | None = None,
+    reverse: bool = False,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = True,
+) -> tuple[PyTree, PyTree]:
+    """Loop ``fn`` over the leading dimension of ``xs`` in one XLA ``while`` loop.
+
+    Semantics of ``jax.lax.scan``::
+
+        carry = init
+        for i in (reversed(range(N)) if reverse else range(N)):
+            carry, ys[i] = fn(carry, xs[i])
+        return carry, stack(ys)
+
+    Args:
+      fn: ``fn(carry, x) -> (carry, y)`` on pytrees of XLA tensors. The carry it
+        returns must have ``init``'s structure, shapes and dtypes; ``y`` leaves
+        may be None. ``fn`` may read tensors defined outside it (weights,
+        buffers, any XLA tensor): they become loop operands, keep their
+        sharding and receive gradients. It may update its carry, its x slice
+        and tensors it creates in place: each iteration works on its own
+        copies, so ``init`` and ``xs`` are never written. It may not write into
+        tensors defined outside it (in place, ``out=``, ``.data``, a view,
+        ``copy_``, setitem): that raises before anything runs. A y that is a
+        carry leaf ``fn`` updated in place is refused (in the Python loop every
+        such y aliases the final carry).
+      init: pytree of XLA tensors, the initial carry.
+      xs: pytree of XLA tensors sharing a leading dimension N, or None (then
+        ``length`` is required and ``fn`` receives ``x=None``).
+      length: N; required when ``xs`` is None, checked against ``xs`` otherwise.
+      reverse: walk ``xs`` from the end; ``ys[i]`` still belongs to ``xs[i]``.
+      partition_fn: AOTAutograd partitioner deciding what the forward loop
+        saves for the backward loop: ``functorch.compile.default_partition``
+        (default; saves activations) or
+        ``functorch.compile.min_cut_rematerialization_partition`` (recomputes
+        cheap ones).
+      is_fn_pure: reuse lowered loops across calls (default True). Every call
+        still runs ``fn`` once, lazily on placeholders (host-side; nothing
+        executes), so it computes with what ``fn`` reads *on this call*: the
+        outside tensors (a dict entry or attribute now holding another
+        tensor, new values alike), Python numbers and other non-tensor
+        arguments of its torch calls, host tensors (by identity and version
+        counter). A loop lowered on an earlier call is reused only when this
+        trace matches it exactly (same torch calls with the same non-tensor
+        arguments, the same role for every tensor argument, the same graph)
+        and the inputs have the same structure, shapes, dtypes, shardings and
+        ``requires_grad`` flags; otherwise ``fn`` is lowered and compiled again
+        (at most 16 loops are kept per ``fn``; see :func:`scan_cache_info`).
+        For reuse to pay off, keep the Python numbers ``fn`` passes to torch
+        and its control flow the same between calls (pass a number that
+        changes every step, a learning rate say, as a tensor). Side effects
+        outside torch run once per call, at trace time, not once per
+        iteration. False: lower and compile on every call.
+
+    Returns:
+      ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.
+      Everything stays on the device; nothing is copied to the host. Random
+      ops in ``fn`` draw different numbers in each iteration, reproducibly
+      under ``torch.manual_seed``.
+    """
+    if not callable(fn):
+        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__}")
+    if not isinstance(reverse, bool):
+        raise TypeError(f"scan: reverse must be a bool, got {type(reverse).__name__}")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise ValueError(f"scan: length must be a non-negative int or None, got {length!r}")
+    init_named, init_spec = _leaves_with_paths(init, "init")
+    _check_tensor_leaves(init_named, allow_none=False)
+    init_l = [leaf for _, leaf in init_named]
+    if xs is None:
+        if length is None:
+            raise ValueError("scan: xs is None, so length is required (the number of iterations)")
+        x_spec, xs_l = None, []
+    else:
+        x_named, x_spec = _leaves_with_paths(xs, "xs")
+        _check_tensor_leaves(x_named, allow_none=False)
+        if not x_named:
+            raise ValueError("scan: xs has no tensor leaves; pass xs=None and length=N to scan without inputs")
+        for path, leaf in x_named:
+            if leaf.dim() == 0:
+                raise ValueError(f"scan: {path} is a scalar; every xs leaf needs a leading dimension to scan over")
+        first_path, first = x_named[0]
+        for path, leaf in x_named[1:]:
+            if leaf.shape[0] != first.shape[0]:
+                raise ValueError(
+                    f"scan: xs leaves must share their leading dimension: {first_path} has "
+                    f"{first.shape[0]} but {path} has {leaf.shape[0]}"
+                )
+        if length is not None and length != first.shape[0]:
+            raise ValueError(f"scan: length={length} but the leading dimension of {first_path} is {first.shape[0]}")
+        length = int(first.shape[0])
+        xs_l = [leaf for _, leaf in x_named]
+
+    carry_l, ys_full, _ = _scan_flat(fn, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn,
+                                     is_fn_pure)
+    return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full[0], ys_full[1])
+
+def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
+               xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
+               check_written: Callable[[list[int]], None] | None = None,
+               ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec], dict[int, torch.Tensor]]:
+    """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec), updated xs)``.
+
+    With ``check_written`` (scan_layers' buffers), ``updated`` maps the
+    position of each xs leaf that ``fn`` writes into to the stacked values of
+    its slices as each iteration left them; ``check_written`` sees those
+    positions first, before anything is lowered, and may refuse them.
+    """
+    # Every call traces fn lazily on placeholders (nothing runs): the outside
+    # tensors it reads now are the loop's operands, and the trace's fingerprint
+    # picks the cached loop, so a value that changed is never served stale.
+    found: dict[str, Any] = {}
+    step = _flat_step(fn, init_spec, x_spec, found)
+    carry_sig = [_signature(t) for t in init_l]
+    x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
+    traced = _trace(step, carry_sig, x_sig)
+    n_c = len(init_l)
+    written = [k - n_c for k in traced.mutated if k >= n_c] if check_written is not None else []
+    if written:
+        check_written(written)
+        step = _with_written_xs(step, written)
+        traced = _trace(step, carry_sig, x_sig)
+    outside = traced.outside
+    specs = tuple(_canonical_specs(init_l + xs_l + outside))
+    key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
+           tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
+           partition_fn, check_written is not None, traced.fingerprint)
+    plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
+                        pure)
+    if length == 0:
+        carry_l = init_l
+        device = torch_xla_device()
+        ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
+    elif plan.grad is not None:
+        outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *outside)
+        carry_l, ys_l = list(outs[:n_c]), list(outs[n_c:])
+    else:
+        carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, outside)
+    if length:
+        _shard_like(carry_l, init_l)
+    updated = dict(zip(written, ys_l[len(ys_l) - len(written):]))
+    stacked = iter(ys_l[:len(ys_l) - len(written)])
+    ys_full = [None if none else next(stacked) for none in found["y_none"]]
+    return carry_l, (ys_full, found["y_spec"]), updated
+
+def _with_written_xs(step: Callable, written: list[int]) -> Callable:
+    """``step`` that also returns, after its ys, the x leaves at ``written`` as the step left them."""
+
+    def step_and_written(carry_leaves: list[torch.Tensor], x_leaves: list[torch.Tensor]):
+        carry_out, ys = step(carry_leaves, x_leaves)
+        return carry_out, [*ys, *(x_leaves[j] for j in written)]
+
+    return step_and_written

@@ -1,0 +1,327 @@
+"""Autograd for scan: AOTAutograd's forward/backward split of the step, each graph run as a while loop.
+
+The forward loop also stacks the activations the backward needs (named by
+``saved_src``: stacked by the forward, re-read from an input, or recomputed
+from one); the backward loop runs in reverse, carrying the carry's gradient
+and accumulating the gradients of the outside tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._annotate import behind_barrier
+from .._xla import torch_xla_device
+from .lift import Lifter
+from .loop import _Loop, _lower, _run
+from .sharding import _apply_shardings, _sharding_of
+from .trace import Sig, _signature, _trace
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+@contextlib.contextmanager
+def _traceable_mark_sharding(lifter: Lifter):
+    """Make ``xs.mark_sharding`` inside fn work while AOTAutograd traces it.
+
+    The plain annotation cannot apply to the fake tensors of a trace. While
+    tracing, ``torch_xla.distributed.spmd.mark_sharding`` on a fake tensor
+    records torch_xla's traceable sharding op (which also shards the
+    gradient) and later uses of the tensor read the annotated value.
+    """
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+    from torch._subclasses.fake_tensor import is_fake
+
+    original = xla_sharding.mark_sharding
+
+    def mark_sharding(t, mesh, partition_spec):
+        if not isinstance(t, torch.Tensor) or not is_fake(t):
+            return original(t, mesh, partition_spec)
+        annotated = xla_sharding.MarkShardingFunction.apply(lifter.resolve(t), mesh, partition_spec)
+        lifter.alias(t, annotated)
+        return annotated
+
+    xs.mark_sharding = xla_sharding.mark_sharding = mark_sharding
+    try:
+        yield
+    finally:
+        xs.mark_sharding = xla_sharding.mark_sharding = original
+
+def _input_source(node, placeholders: list, n_c: int, n_x: int) -> tuple[str, int] | None:
+    """("x", j) or ("outside", k) when ``node`` is that input of the forward graph."""
+    if node not in placeholders:
+        return None
+    pos = placeholders.index(node)
+    if n_c <= pos < n_c + n_x:
+        return ("x", pos - n_c)
+    if pos >= n_c + n_x:
+        return ("outside", pos - n_c - n_x)
+    return None
+
+# Single-input ops that are free to recompute in the backward: casts and views.
+_PASSTHROUGH = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.expand.default,
+}
+
+def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
+    """``(input node, [ops], marked)`` when ``node`` is cheap to recompute in the backward.
+
+    That is: casts and views applied to a graph input, possibly around a
+    sharding annotation; ``marked`` when one is marked ``recompute_in_backward``
+    (FSDP's gather). A transposed weight that a matmul saved is such a chain:
+    reading the weight slice again is free, stacking it would copy every layer.
+    """
+    from .._annotate import ANNOTATE_OP
+
+    ops = []
+    marked = False
+    base = node
+    while base not in placeholders:
+        target = getattr(base, "target", None)
+        if target is ANNOTATE_OP:
+            if not base.args[3]:
+                return None
+            marked = True
+        elif target not in _PASSTHROUGH:
+            return None
+        ops.append(base)
+        base = base.args[0]
+    return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)], marked
+
+def _replay(value: torch.Tensor, ops: list, barrier: bool) -> torch.Tensor:
+    """Recompute a saved value from its input; behind an optimization barrier if ``barrier``."""
+    if barrier:
+        value = behind_barrier(value)
+    for target, args, kwargs in ops:
+        value = target(value, *args, **kwargs)
+    return value
+
+class _GradPlan:
+    """``fn`` split into forward/backward graphs, and the loops that run them.
+
+    Primal inputs of the graphs are ``carry + x + outside``. The forward graph
+    returns ``carry_out + y + saved``; saved activations that are just an x
+    slice or an outside tensor are not stacked by the forward loop but read
+    again by the backward loop.
+    """
+
+    def __init__(self, step: Callable, carry: list[Sig], x: list[Sig], x_grad: list[bool],
+                 outside: list[torch.Tensor], mutated: tuple[int, ...], length: int, reverse: bool,
+                 partition_fn: Callable | None) -> None:
+        """``outside`` are the current call's outside tensors: traced through, never held.
+
+        ``mutated`` lists the carry and x leaves ``step`` writes into (by
+        position in ``carry + x``): ``step`` gets its own copies of them, as
+        the Python loop's ``fn`` would write into values it alone holds.
+        """
+        from functorch.compile import aot_function, default_partition, make_boxed_func
+
+        self.n_c, self.n_x, self.n_o = len(carry), len(x), len(outside)
+        self.length, self.reverse = length, reverse
+        self.outside_sig: list[Sig] = [_signature(t) for t in outside]
+        captured: dict[str, torch.fx.GraphModule] = {}
+
+        def capture(kind: str):
+            def compiler(gm: torch.fx.GraphModule, _inputs):
+                captured[kind] = gm
+                return make_boxed_func(gm)
+
+            return compiler
+
+        n_c, n_x = self.n_c, self.n_x
+
+        def primal_fn(*args):
+            # AOTAutograd would turn a write into an input into an extra leading
+            # output; the step writes into copies instead.
+            own = [a.clone() if k in mutated else a for k, a in enumerate(args[:n_c + n_x])]
+            lifter = Lifter([*args, *own], None, fixed=list(zip(outside, args[n_c + n_x:])))
+            with lifter, _traceable_mark_sharding(lifter):
+                carry_out, ys = step(own[:n_c], own[n_c:])
+            carry_out = [lifter.resolve(o) for o in carry_out]
+            ys = [lifter.resolve(o) for o in ys]
+            ins = {id(a) for a in args}
+            # Outputs aliasing inputs would be rebuilt outside the captured graph.
+            return tuple(o.clone() if id(o) in ins or o._is_view() else o for o in carry_out + ys)
+        device = torch_xla_device()
+
+        def example(shape, dtype, grad: bool) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device).requires_grad_(grad)
+
+        args = [example(s, d, _is_float_dtype(d)) for s, d in carry]
+        args += [example(s, d, g and _is_float_dtype(d)) for (s, d), g in zip(x, x_grad)]
+        args += [example(t.shape, t.dtype, t.requires_grad) for t in outside]
+        with torch.enable_grad():
+            compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
+                                    partition_fn=partition_fn or default_partition, enable_log=False)
+            outs = compiled(*args)
+            self.tangent_mask = [o.requires_grad for o in outs]
+            diff = [o for o in outs if o.requires_grad]
+            if diff:
+                torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+        self.num_y = len(outs) - n_c
+        self.fw = captured["fw"]
+        self.bw = captured.get("bw")
+        self.grad_mask = [a.requires_grad for a in args]
+        out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
+        placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]
+        saved_nodes = out_nodes[len(outs):]
+        # Where each saved activation comes from: ("stacked", k) -- stacked by the
+        # forward loop; ("x", j) / ("outside", k) -- an input, read again by the
+        # backward loop; ("recompute", (kind, index), ops, marked) -- casts and
+        # views of an x or outside input, replayed by the backward loop (behind
+        # an optimization barrier when they gather: see _recompute_chain).
+        self.saved_src: list[tuple] = []
+        stacked = 0
+        for node in saved_nodes:
+            source = _input_source(node, placeholders, n_c, n_x)
+            chain = _recompute_chain(node, placeholders) if source is None else None
+            base = _input_source(chain[0], placeholders, n_c, n_x) if chain is not None else None
+            if source is not None:
+                self.saved_src.append(source)
+            elif base is not None:
+                self.saved_src.append(("recompute", base, *chain[1:]))
+            else:
+                self.saved_src.append(("stacked", stacked))
+                stacked += 1
+        self.num_stacked = stacked
+        self.x_aliased = sorted({src[1] for src in self._input_reads() if src[0] == "x"})
+        self.carry_sig, self.x_sig = carry, x
+        self.fwd_loop = _lower(_trace(self._forward_step, carry, x, self.outside_sig), length, reverse,
+                               "scan_forward")
+        self.saved_sig = [s for s in self.fwd_loop.y_shapes[self.num_y:]]
+        self.y_sig = list(self.fwd_loop.y_shapes[:self.num_y])
+        self._bwd_loop: _Loop | None = None
+
+    def _input_reads(self) -> list[tuple[str, int]]:
+        """The inputs the backward loop reads: aliased ones and the bases of recomputations."""
+        reads = []
+        for src in self.saved_src:
+            if src[0] in ("x", "outside"):
+                reads.append(src)
+            elif src[0] == "recompute":
+                reads.append(src[1])
+        return reads
+
+    def _forward_step(self, carry, x, outside):
+        result = list(self.fw(*carry, *x, *outside))
+        n_out = self.n_c + self.num_y
+        saved = result[n_out:]
+        stacked = [saved[i] for i, src in enumerate(self.saved_src) if src[0] == "stacked"]
+        return result[:self.n_c], result[self.n_c:n_out] + stacked
+
+    def _backward_step(self, carry, x, outside):
+        n_c, n_x = self.n_c, self.n_x
+        float_carry = [i for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
+        grad_outside = [k for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+        g = dict(zip(float_carry, carry[:len(float_carry)]))
+        acc = carry[len(float_carry):]
+        stacked = x[:self.num_stacked]
+        x_slices = dict(zip(self.x_aliased, x[self.num_stacked:self.num_stacked + len(self.x_aliased)]))
+        gy = x[self.num_stacked + len(self.x_aliased):]
+        def read(kind: str, k: int) -> torch.Tensor:
+            return stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else outside[k]
+
+        saved = []
+        for src in self.saved_src:
+            if src[0] == "recompute":
+                saved.append(_replay(read(*src[1]), src[2], barrier=src[3]))
+            else:
+                saved.append(read(src[0], src[1]))
+        tangents = [g[i] for i in range(n_c) if self.tangent_mask[i]]
+        tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[n_c + j]]
+        grads = list(self.bw(*saved, *tangents))
+
+        def grad_or_zeros(pos: int, sig: Sig) -> torch.Tensor:
+            value = grads[pos] if pos < len(grads) else None
+            return value if value is not None else torch.zeros(sig[0], dtype=sig[1], device=carry[0].device
+                                                               if carry else x[0].device)
+
+        new_g = [grad_or_zeros(i, self.carry_sig[i]) for i in float_carry]
+        new_acc = [a + grad_or_zeros(n_c + n_x + k, self.outside_sig[k]) for a, k in zip(acc, grad_outside)]
+        gx = [grad_or_zeros(n_c + j, self.x_sig[j]) for j in range(n_x) if self.grad_mask[n_c + j]]
+        return new_g + new_acc, gx
+
+    def backward_loop(self) -> _Loop:
+        if self._bwd_loop is None:
+            n_c, n_x = self.n_c, self.n_x
+            carry = [self.carry_sig[i] for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
+            carry += [self.outside_sig[k] for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+            xs = list(self.saved_sig) + [self.x_sig[j] for j in self.x_aliased] + list(self.y_sig)
+            self._bwd_loop = _lower(_trace(self._backward_step, carry, xs, self.outside_sig), self.length,
+                                    not self.reverse, "scan_backward")
+        return self._bwd_loop
+
+def _is_float_dtype(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+class _ScanFunction(torch.autograd.Function):
+    """Forward loop saving activations; backward loop in reverse."""
+
+    @staticmethod
+    def forward(ctx, plan: _GradPlan, *flat: torch.Tensor):
+        n_c, n_x = plan.n_c, plan.n_x
+        init, xs, outside = list(flat[:n_c]), list(flat[n_c:n_c + n_x]), list(flat[n_c + n_x:])
+        with torch.no_grad():
+            carry, ys_all = _run(plan.fwd_loop, init, xs, plan.length, outside)
+        ys, stacked = ys_all[:plan.num_y], ys_all[plan.num_y:]
+        ctx.plan = plan
+        ctx.shardings = [_sharding_of(t) for t in init + xs + outside]
+        # The backward reads the outside tensors of this call; saving them lets
+        # autograd refuse a backward after they were modified in place, as eager does.
+        ctx.save_for_backward(*stacked, *[xs[j] for j in plan.x_aliased], *outside)
+        outs = carry + ys
+        ctx.mark_non_differentiable(*[t for t in outs if not _is_float(t)])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan: _GradPlan = ctx.plan
+        n_c, n_x = plan.n_c, plan.n_x
+        saved = list(ctx.saved_tensors)
+        n_s, n_a = plan.num_stacked, len(plan.x_aliased)
+        stacked, aliased_xs, outside = saved[:n_s], saved[n_s:n_s + n_a], saved[n_s + n_a:]
+        device = torch_xla_device()
+
+        def or_zeros(g, sig):
+            return g if g is not None else torch.zeros(sig[0], dtype=sig[1], device=device)
+
+        float_carry = [i for i in range(n_c) if _is_float_dtype(plan.carry_sig[i][1])]
+        grad_outside = [k for k in range(plan.n_o) if plan.grad_mask[n_c + n_x + k]]
+        init = [or_zeros(grads[i], plan.carry_sig[i]) for i in float_carry]
+        init += [or_zeros(None, plan.outside_sig[k]) for k in grad_outside]
+        gys = [or_zeros(grads[n_c + j], ((plan.length, *plan.y_sig[j][0]), plan.y_sig[j][1]))
+               for j in range(plan.num_y)]
+        with torch.no_grad():
+            carry, gxs = _run(plan.backward_loop(), init, stacked + aliased_xs + gys, plan.length, outside)
+        grad_init: list[torch.Tensor | None] = [None] * n_c
+        for i, g in zip(float_carry, carry[:len(float_carry)]):
+            grad_init[i] = g
+        grad_outside_vals: list[torch.Tensor | None] = [None] * plan.n_o
+        for k, g in zip(grad_outside, carry[len(float_carry):]):
+            grad_outside_vals[k] = g
+        grad_xs: list[torch.Tensor | None] = [None] * n_x
+        for j, g in zip([j for j in range(n_x) if plan.grad_mask[n_c + j]], gxs):
+            grad_xs[j] = g
+        # Gradients are sharded like the tensors they belong to.
+        _apply_shardings(grad_init, ctx.shardings[:n_c])
+        _apply_shardings(grad_xs, ctx.shardings[n_c:n_c + n_x])
+        _apply_shardings(grad_outside_vals, ctx.shardings[n_c + n_x:])
+        return (None, *grad_init, *grad_xs, *grad_outside_vals)

@@ -1,0 +1,150 @@
+"""Tracing a step function lazily on placeholders: nothing executes and no device memory is allocated.
+
+:func:`_trace` runs a flat step ``(carry, x) -> (carry, ys)`` on placeholder
+tensors under :class:`~torch_xla_ext._scan.lift.Lifter` and returns the lazy
+outputs, the outside tensors it read, which inputs it wrote, and the trace's
+fingerprint (what a cached loop must match).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .._annotate import fresh_node
+from .._xla import xla_builder
+from .lift import Lifter, graph_hash
+
+Sig = tuple[tuple[int, ...], torch.dtype]
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype)
+
+def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A device tensor with a shape and a dtype but no buffer: for tracing only."""
+    return xla_builder().create_placeholder_tensor(tuple(shape), dtype)
+
+def _not_device_data(t: torch.Tensor) -> torch.Tensor:
+    # A pending computation instead of device data, so that mark_sharding
+    # inside fn annotates the value rather than replacing the tensor's data,
+    # which would detach it from its HLO parameter.
+    return fresh_node(t)
+
+@contextlib.contextmanager
+def _rng_state_kept():
+    """Undo the advance of torch_xla's RNG state caused by random ops traced in fn.
+
+    The loop draws its own seeds, so a traced call and a cached call leave the
+    RNG state in the same place. Reading the state moves no data.
+    """
+    import torch_xla.core.xla_model as xm
+
+    state = xm.get_rng_state()
+    try:
+        yield
+    finally:
+        xm.set_rng_state(state)
+
+class _Traced(NamedTuple):
+    """One lazy trace of a flat step function on placeholders."""
+
+    carry_ph: list[torch.Tensor]    # placeholders for the carry leaves
+    x_ph: list[torch.Tensor]        # placeholders for one slice of each xs leaf
+    outside_ph: list[torch.Tensor]  # placeholders for the outside tensors
+    outside: list[torch.Tensor]     # outside tensors the step read, in order of first use (lifting traces)
+    carry_out: list[torch.Tensor]
+    ys: list[torch.Tensor]
+    mutated: tuple[int, ...]        # carry + x leaves the step wrote into, by position
+    fingerprint: tuple              # what a cached loop must match (lifting traces; see Lifter)
+    held: list[Any]                 # objects the fingerprint names by identity
+
+def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequence[Sig] | None = None) -> _Traced:
+    """Run ``step`` lazily on placeholders; nothing executes and no device memory is allocated.
+
+    See :func:`_trace_on_placeholders`. If ``step`` raises, the locals of the
+    frames the exception passed through are cleared (the traceback still names
+    every file and line): they hold lazy tensors over placeholders, which the
+    next ``torch_xla.sync()`` would try to execute if the exception were kept
+    (a failed test's report, ``sys.last_traceback``).
+    """
+    try:
+        return _trace_on_placeholders(step, carry, x, outside)
+    except BaseException as error:
+        seen: set[int] = set()
+        chained: BaseException | None = error
+        while chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            traceback.clear_frames(chained.__traceback__)
+            chained = chained.__cause__ or chained.__context__
+        raise
+
+def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
+                           outside: Sequence[Sig] | None) -> _Traced:
+    """Run ``step`` lazily on placeholders.
+
+    With ``outside=None`` this is the lifting trace of a user step,
+    ``step(carry, x)``: outside tensors it reads are lifted (see
+    :class:`~torch_xla_ext._scan.lift.Lifter`) and the trace is fingerprinted. With
+    ``outside`` signatures, ``step(carry, x, outside)`` receives placeholders for
+    them and may read no other outside tensor (the autograd graphs).
+    """
+    carry_ph = [_placeholder(*s) for s in carry]
+    x_ph = [_placeholder(*s) for s in x]
+    outside_ph: list[torch.Tensor] = []
+
+    def standin(t: torch.Tensor) -> torch.Tensor:
+        ph = _placeholder(t.shape, t.dtype)
+        outside_ph.append(ph)
+        return _not_device_data(ph)
+
+    carry_in = [_not_device_data(t) for t in carry_ph]
+    x_in = [_not_device_data(t) for t in x_ph]
+    lifting = outside is None
+    if lifting:
+        lifter = Lifter(carry_in + x_in + carry_ph + x_ph, standin, record=True)
+        # Written inputs: in-place ops (also through views) bump the version
+        # counter; ops that update an argument from C++ (batch_norm's running
+        # stats) change only its graph. A sharding annotation changes the graph
+        # too, and then the input counts as written (a copy is harmless).
+        before = [(t._version, graph_hash([t])) for t in carry_in + x_in]
+        with lifter, _rng_state_kept():
+            carry_out, ys = step(carry_in, x_in)
+        lifter.check_outside_unchanged()
+        bumped = tuple(k for k, (t, (v, _)) in enumerate(zip(carry_in + x_in, before)) if t._version != v)
+        mutated = tuple(k for k, (t, (v, h)) in enumerate(zip(carry_in + x_in, before))
+                        if k in bumped or graph_hash([t]) != h)
+        _check_no_y_aliases_written_carry(ys, carry_in, bumped)
+    else:
+        outside_ph = [_placeholder(*s) for s in outside]
+        outside_in = [_not_device_data(t) for t in outside_ph]
+        lifter = Lifter(carry_in + x_in + outside_in + carry_ph + x_ph + outside_ph, None)
+        with lifter, _rng_state_kept():
+            carry_out, ys = step(carry_in, x_in, outside_in)
+        mutated = ()
+    carry_out, ys = list(carry_out), list(ys)
+    fingerprint = lifter.fingerprint(carry_out + ys) if lifting else ()
+    return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
+                   lifter.held)
+
+def _check_no_y_aliases_written_carry(ys: Sequence[torch.Tensor], carry_in: Sequence[torch.Tensor],
+                                       mutated: tuple[int, ...]) -> None:
+    """Refuse a y that is (a view of) a carry leaf fn updates in place.
+
+    In the Python loop that y is the next iteration's carry, updated in place
+    again: every such y ends up equal to the final carry. A loop that stacks
+    each iteration's value would return something else.
+    """
+    for i in (k for k in mutated if k < len(carry_in)):
+        c = carry_in[i]
+        for j, y in enumerate(ys):
+            if y is c or (y._is_view() and y._base is c):
+                raise ValueError(
+                    f"scan: fn updates carry leaf {i} in place and also returns it as y leaf {j}; in the Python "
+                    f"loop every such y aliases the final carry. Return a copy (y = c.clone()) or update the "
+                    f"carry out of place (c = c + ...)."
+                )
