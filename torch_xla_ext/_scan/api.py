@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from .._xla import torch_xla_device
 from ..lowering import _require_xla_tensor
 from .autograd import _GradPlan, _ScanFunction
+from .backend import cpu_codegen
 from .cache import _cached_plan, _Plan
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
@@ -24,10 +25,12 @@ def _leaves_with_paths(tree: PyTree, root: str) -> tuple[list[tuple[str, Any]], 
     flat, spec = pytree.tree_flatten_with_path(tree)
     return [(root + pytree.keystr(path), leaf) for path, leaf in flat], spec
 
+
 def _check_tensor_leaves(named: list[tuple[str, Any]], allow_none: bool, who: str = "") -> None:
     for path, leaf in named:
         if leaf is not None or not allow_none:
             _require_xla_tensor(leaf, f"scan: {who}{path}")
+
 
 def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
                found: dict[str, Any]) -> Callable:
@@ -59,6 +62,7 @@ def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
 
     return step
 
+
 def _make_plan(step: Callable, traced: _Traced, init: list[torch.Tensor], xs: list[torch.Tensor],
                length: int, reverse: bool, partition_fn: Callable | None) -> _Plan:
     """Lower the loops for ``traced`` (this call's lifting trace of ``step``)."""
@@ -75,6 +79,7 @@ def _make_plan(step: Callable, traced: _Traced, init: list[torch.Tensor], xs: li
     else:
         plan.loop = _lower(traced, length, reverse, "scan")
     return plan
+
 
 def scan(
     fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
@@ -178,6 +183,7 @@ def scan(
                                      is_fn_pure)
     return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full[0], ys_full[1])
 
+
 def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
                xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
                check_written: Callable[[list[int]], None] | None = None,
@@ -207,7 +213,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     specs = tuple(_canonical_specs(init_l + xs_l + outside))
     key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
            tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
-           partition_fn, check_written is not None, traced.fingerprint)
+           partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint)
     plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
                         pure)
     if length == 0:
@@ -225,6 +231,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     stacked = iter(ys_l[:len(ys_l) - len(written)])
     ys_full = [None if none else next(stacked) for none in found["y_none"]]
     return carry_l, (ys_full, found["y_spec"]), updated
+
 
 def _with_written_xs(step: Callable, written: list[int]) -> Callable:
     """``step`` that also returns, after its ys, the x leaves at ``written`` as the step left them."""

@@ -25,6 +25,7 @@ from .trace import Sig, _signature, _trace
 def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
+
 @contextlib.contextmanager
 def _traceable_mark_sharding(lifter: Lifter):
     """Make ``xs.mark_sharding`` inside fn work while AOTAutograd traces it.
@@ -53,6 +54,7 @@ def _traceable_mark_sharding(lifter: Lifter):
     finally:
         xs.mark_sharding = xla_sharding.mark_sharding = original
 
+
 def _input_source(node, placeholders: list, n_c: int, n_x: int) -> tuple[str, int] | None:
     """("x", j) or ("outside", k) when ``node`` is that input of the forward graph."""
     if node not in placeholders:
@@ -63,6 +65,7 @@ def _input_source(node, placeholders: list, n_c: int, n_x: int) -> tuple[str, in
     if pos >= n_c + n_x:
         return ("outside", pos - n_c - n_x)
     return None
+
 
 # Single-input ops that are free to recompute in the backward: casts and views.
 _PASSTHROUGH = {
@@ -80,6 +83,7 @@ _PASSTHROUGH = {
     torch.ops.aten.squeeze.dim,
     torch.ops.aten.expand.default,
 }
+
 
 def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
     """``(input node, [ops], marked)`` when ``node`` is cheap to recompute in the backward.
@@ -106,6 +110,7 @@ def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
         base = base.args[0]
     return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)], marked
 
+
 def _replay(value: torch.Tensor, ops: list, barrier: bool) -> torch.Tensor:
     """Recompute a saved value from its input; behind an optimization barrier if ``barrier``."""
     if barrier:
@@ -113,6 +118,7 @@ def _replay(value: torch.Tensor, ops: list, barrier: bool) -> torch.Tensor:
     for target, args, kwargs in ops:
         value = target(value, *args, **kwargs)
     return value
+
 
 class _GradPlan:
     """``fn`` split into forward/backward graphs, and the loops that run them.
@@ -269,8 +275,10 @@ class _GradPlan:
                                     not self.reverse, "scan_backward")
         return self._bwd_loop
 
+
 def _is_float_dtype(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
+
 
 class _ScanFunction(torch.autograd.Function):
     """Forward loop saving activations; backward loop in reverse."""

@@ -34,12 +34,14 @@ class _Plan:
     loop: _Loop | None = None      # forward-only
     grad: _GradPlan | None = None  # with autograd
 
+
 class ScanCacheInfo(NamedTuple):
     """Counters of :func:`scan`'s trace cache (process-wide)."""
 
     traces: int  # calls that lowered fn into new loops (a miss)
     hits: int    # calls whose trace matched a cached plan's fingerprint
     size: int    # plans held
+
 
 _cache_lock = threading.Lock()
 
@@ -52,10 +54,12 @@ _PLANS_PER_FN = 16
 
 _counters = {"traces": 0, "hits": 0}
 
+
 def scan_cache_info() -> ScanCacheInfo:
     """How often :func:`scan` traced ``fn`` versus reused a cached plan."""
     with _cache_lock:
         return ScanCacheInfo(_counters["traces"], _counters["hits"], sum(len(v) for v in _cache.values()))
+
 
 def clear_scan_cache() -> None:
     """Forget every cached plan (and the host tensors their fingerprints hold) and scan_layers' stacking helpers."""
@@ -85,6 +89,7 @@ def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool
             while len(entry) > _PLANS_PER_FN:
                 del entry[next(iter(entry))]
     return plan
+
 
 def _cache_slot(fn: Callable, key: tuple) -> tuple[Any, tuple]:
     """The object the cache holds weakly for ``fn`` (None: not cacheable) and the full key.

@@ -22,10 +22,12 @@ def _is_fake(t: torch.Tensor) -> bool:
 
     return is_fake(t)
 
+
 def _layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = dict(layer.named_parameters())
     state.update(dict(layer.named_buffers()))
     return state
+
 
 def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
     first = layers[0]
@@ -57,6 +59,7 @@ def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
                                      f"has {b}; scanned layers must be homogeneous")
     return names
 
+
 _layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _layer_steps_lock = threading.Lock()
 
@@ -65,6 +68,7 @@ _layer_steps_lock = threading.Lock()
 def _clear_layer_steps() -> None:
     with _layer_steps_lock:
         _layer_steps.clear()
+
 
 def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[int, ...]]) -> Callable:
     """One step function per template layer, so repeated calls hit scan's cache.
@@ -171,6 +175,7 @@ def scan_layers(
     if updated:
         _write_back_buffers(states, names, shapes, updated)
     return out
+
 
 def _write_back_buffers(states: list[dict[str, torch.Tensor]], names: list[str], shapes: list[tuple[int, ...]],
                         updated: dict[int, torch.Tensor]) -> None:

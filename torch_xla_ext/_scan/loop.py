@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -9,28 +10,76 @@ import torch
 
 from ..lowering import LoweringContext
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _bound, _guard
+from .backend import _bound, _guard, cpu_codegen
 from .trace import _signature, _Traced
 
 
-class _Loop(NamedTuple):
-    """A lowered while loop and how to assemble its operands."""
+class _Groups(NamedTuple):
+    """A loop's operands (or results) by role."""
 
-    computation: Any
+    i: Any
+    carry: list
+    xs: list
+    ys: list
+    outside: list
+    constants: list
+    seed: Any | None
+    bound: Any | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The loop's operand tuple: ``i, *carry, *xs, *ys, *outside, *constants[, seed][, bound]``.
+
+    ``ys`` are the stacked outputs, written one row per iteration; everything
+    after them is loop-invariant. ``seed`` is there when the step draws random
+    numbers, ``bound`` when the loop is lowered with :func:`cpu_codegen`.
+    """
+
     num_carry: int
     num_xs: int
+    num_ys: int
+    num_outside: int
+    num_constants: int
+    has_seed: bool
+    has_bound: bool
+
+    def split(self, flat: Sequence[Any]) -> _Groups:
+        flat = list(flat)
+        edges = [1]
+        for n in (self.num_carry, self.num_xs, self.num_ys, self.num_outside, self.num_constants):
+            edges.append(edges[-1] + n)
+        rest = flat[edges[-1]:]
+        seed = rest.pop(0) if self.has_seed else None
+        bound = rest.pop(0) if self.has_bound else None
+        if rest:  # pragma: no cover - the layout and the tuple come from one lowering
+            raise RuntimeError(f"scan: internal error: {len(rest)} loop operands beyond the layout {self}")
+        groups = [flat[a:b] for a, b in zip(edges, edges[1:])]
+        return _Groups(flat[0], *groups, seed, bound)
+
+    def join(self, groups: _Groups) -> list[Any]:
+        flat = [groups.i, *groups.carry, *groups.xs, *groups.ys, *groups.outside, *groups.constants]
+        return flat + [g for g, there in ((groups.seed, self.has_seed), (groups.bound, self.has_bound)) if there]
+
+
+class _Loop(NamedTuple):
+    """A lowered while loop, its operand layout and the device data it reads besides its inputs."""
+
+    computation: Any
+    layout: _Layout
     y_shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    num_outside: int                     # outside operands, passed to each run (never held)
     constants: tuple[torch.Tensor, ...]  # device data the step created while traced
-    uses_seed: bool
+
 
 def _sizes(op) -> list[int]:
     return list(op.shape().sizes)
+
 
 def _slice_op(op, idx, zero):
     sizes = _sizes(op)
     start = [idx] + [zero] * (len(sizes) - 1)
     return op.dynamic_slice(start, [1] + sizes[1:]).reshape(sizes[1:])
+
 
 def _update_op(op, value, idx, zero):
     """``op[idx] = value`` along dim 0."""
@@ -38,11 +87,12 @@ def _update_op(op, value, idx, zero):
     start = [idx] + [zero] * (len(sizes) - 1)
     return op.dynamic_update_slice(value.reshape([1] + sizes[1:]), start)
 
+
 def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     """``while i < length: carry, ys[idx] = step(carry, xs[idx])`` as one XLA computation.
 
-    Operands: ``i, *carry, *xs, *ys, *outside, *constants[, seed], bound``. ``idx`` is
-    ``i`` or ``length - 1 - i``; the step's RNG seed becomes ``seed + idx``.
+    Operands as :class:`_Layout` says. ``idx`` is ``i`` or ``length - 1 - i``;
+    the step's RNG seed becomes ``seed + idx``.
     """
     xb = xla_builder()
     for i, (before, after) in enumerate(zip(traced.carry_ph, traced.carry_out)):
@@ -68,8 +118,8 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         else:  # pragma: no cover - the parameters of a lowered graph are device data
             raise RuntimeError(f"scan: HLO parameter {p.number} ({p.name}) is not backed by device data")
     num_params = len(ctx.module.entry_parameters)
-    n_c, n_x, n_y = len(traced.carry_ph), len(traced.x_ph), len(traced.ys)
-    n_o, n_k = len(traced.outside_ph), len(constants)
+    layout = _Layout(len(traced.carry_ph), len(traced.x_ph), len(traced.ys), len(traced.outside_ph), len(constants),
+                     has_seed=seed_id >= 0, has_bound=cpu_codegen())
 
     builder = xb.create_builder(name)
     shapes = [xb.mkshape(xb.Type.S64, ())]
@@ -80,54 +130,44 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     shapes += [xb.mkshape(xb.Op.from_torch_type(y.dtype), (length, *y.shape)) for y in traced.ys]
     shapes += [xb.tensor_shape(t) for t in traced.outside_ph]
     shapes += [xb.tensor_shape(t) for t in constants]
-    if seed_id >= 0:
+    if layout.has_seed:
         shapes.append(xb.mkshape(xb.Type.S64, ()))
-    shapes.append(xb.mkshape(xb.Type.S32, (1,)))
+    if layout.has_bound:
+        shapes.append(xb.mkshape(xb.Type.S32, (1,)))
     operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
     def cond_fn(i, *_rest):
         return i < xb.Op.scalar(i.builder(), length, dtype=xb.Type.S64)
 
-    def body_fn(i, *rest):
-        rest = list(rest)
-        carry, rest = rest[:n_c], rest[n_c:]
-        xs, rest = rest[:n_x], rest[n_x:]
-        ys, rest = rest[:n_y], rest[n_y:]
-        invariant = rest  # outside, constants, seed: passed through unchanged
-        b = i.builder()
+    def body_fn(*flat):
+        ops = layout.split(flat)
+        b = ops.i.builder()
         zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
-        idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S64) - i if reverse else i
+        idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S64) - ops.i if reverse else ops.i
+        bound = ops.bound.reshape([]) if layout.has_bound else None
         args: list[Any] = [None] * num_params
-        bound = invariant[-1].reshape([])
-        slices = [_guard(bound, _sizes(x)[1:], x.shape().dtype)(_slice_op(x, idx, zero)) for x in xs]
-        for pid, op in zip(ids, carry + slices + invariant[:n_o]):
+        slices = [_guard(bound, _sizes(x)[1:], x.shape().dtype)(_slice_op(x, idx, zero)) for x in ops.xs]
+        for pid, op in zip(ids, ops.carry + slices + ops.outside):
             if pid >= 0:
                 args[pid] = op
-        for pid, op in zip(constant_ids, invariant[n_o:n_o + n_k]):
+        for pid, op in zip(constant_ids, ops.constants):
             args[pid] = op
-        if seed_id >= 0:
-            args[seed_id] = invariant[-2] + idx
+        if layout.has_seed:
+            args[seed_id] = ops.seed + idx
         result = xb.Op.call(body, args)
-        new_carry = [result.get_tuple_element(k) for k in range(n_c)]
+        new_carry = [result.get_tuple_element(k) for k in range(layout.num_carry)]
         new_ys = []
-        for k in range(n_y):
-            y = result.get_tuple_element(n_c + k)
+        for k, stacked in enumerate(ops.ys):
+            y = result.get_tuple_element(layout.num_carry + k)
             y = _guard(bound, _sizes(y), y.shape().dtype)(y)
-            new_ys.append(_update_op(ys[k], y, idx, zero))
+            new_ys.append(_update_op(stacked, y, idx, zero))
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
-        return xb.Op.tuple([i + one] + new_carry + xs + new_ys + invariant)
+        return xb.Op.tuple(layout.join(ops._replace(i=ops.i + one, carry=new_carry, ys=new_ys)))
 
     computation = xb.Op.mkwhile(operands, cond_fn, body_fn).build(name)
-    return _Loop(
-        computation=computation,
-        num_carry=n_c,
-        num_xs=n_x,
-        y_shapes=tuple((tuple(y.shape), y.dtype) for y in traced.ys),
-        num_outside=len(traced.outside_ph),
-        constants=tuple(constants),
-        uses_seed=seed_id >= 0,
-    )
+    return _Loop(computation, layout, tuple((tuple(y.shape), y.dtype) for y in traced.ys), tuple(constants))
+
 
 def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], length: int,
          outside: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -136,21 +176,26 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
     ``outside`` are the tensors this call's step reads from outside, in the
     order the loop was lowered with (never the ones of an earlier call).
     """
-    if len(outside) != loop.num_outside:  # pragma: no cover - the plan's key fixes the count
+    layout = loop.layout
+    if len(outside) != layout.num_outside:  # pragma: no cover - the plan's key fixes the count
         raise RuntimeError(f"scan: internal error: {len(outside)} outside operands for a loop lowered with "
-                           f"{loop.num_outside}")
+                           f"{layout.num_outside}")
     device = torch_xla_device()
-    operands = [torch.zeros((), dtype=torch.int64, device=device), *init, *xs]
-    operands += [torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes]
-    operands += list(outside)
-    operands += list(loop.constants)
-    if loop.uses_seed:
+    seed = None
+    if layout.has_seed:
         # A fresh base seed per call from torch's default generator, so results
         # are reproducible under torch.manual_seed; step idx uses base + idx.
         # (8 bytes host->device; nothing moves device->host.)
-        base = torch.randint(0, 2**62, (), dtype=torch.int64)
-        operands.append(base.to(device))
-    operands.append(_bound())
-    out = xlac()._xla_user_computation("xla::txe_scan", operands, loop.computation)
-    n_c, n_x = loop.num_carry, loop.num_xs
-    return list(out[1:1 + n_c]), list(out[1 + n_c + n_x:1 + n_c + n_x + len(loop.y_shapes)])
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(device)
+    operands = _Groups(
+        i=torch.zeros((), dtype=torch.int64, device=device),
+        carry=list(init),
+        xs=list(xs),
+        ys=[torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes],
+        outside=list(outside),
+        constants=list(loop.constants),
+        seed=seed,
+        bound=_bound() if layout.has_bound else None,
+    )
+    out = layout.split(xlac()._xla_user_computation("xla::txe_scan", layout.join(operands), loop.computation))
+    return out.carry, out.ys

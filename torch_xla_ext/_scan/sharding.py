@@ -20,6 +20,7 @@ def _sharding_of(t: torch.Tensor) -> Any:
     X = xlac()
     return None if is_replicated_spec(X._get_xla_sharding_spec(t)) else X._get_xla_op_sharding(t)
 
+
 def _canonical_specs(tensors: list[torch.Tensor]) -> list[str]:
     """Sharding strings with both spellings of "not sharded" (``''`` and ``'{replicated}'``) as ``'{replicated}'``.
 
@@ -29,11 +30,13 @@ def _canonical_specs(tensors: list[torch.Tensor]) -> list[str]:
     specs = xlac()._get_xla_sharding_specs(tensors) if tensors else []
     return ["{replicated}" if is_replicated_spec(spec) else spec for spec in specs]
 
+
 def _apply_shardings(values: Sequence[torch.Tensor | None], shardings: Sequence[Any]) -> None:
     """Annotate each lazy value with its ``OpSharding`` (from :func:`_sharding_of`), where it has one."""
     for value, sharding in zip(values, shardings):
         if value is not None and sharding is not None:
             xlac()._xla_mark_sharding(value, sharding)
+
 
 def _shard_like(values: Sequence[torch.Tensor | None], refs: Sequence[torch.Tensor | None]) -> None:
     """Annotate each lazy value with its reference tensor's sharding, if it has one."""

@@ -12,7 +12,7 @@ import torch
 from .._annotate import is_replicated_spec
 from .._format import parse_tiled_spec
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _bound, _guard
+from .backend import _bound, _guard, cpu_codegen
 from .cache import on_clear
 from .loop import _slice_op
 from .sharding import _apply_shardings, _sharding_of
@@ -27,6 +27,7 @@ def _tiling(member: torch.Tensor) -> tuple[tuple[int, ...], str, bool] | None:
     if is_replicated_spec(spec):
         return (1,) * member.dim(), "", False
     return parse_tiled_spec(spec)
+
 
 def _merged(shape: tuple[int, ...], tiles: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``shape`` with each unsharded dim merged into the dim before it, and the tiles of the result.
@@ -48,23 +49,28 @@ def _merged(shape: tuple[int, ...], tiles: tuple[int, ...]) -> tuple[tuple[int, 
             kept.append(tile)
     return tuple(dims), tuple(kept)
 
+
 def _stacked_layout(member: torch.Tensor) -> tuple[tuple[int, ...], Callable[[torch.Tensor], None]]:
     """The shape each member has inside the stacked tensor, and how to shard the stacked tensor.
 
-    Members are stacked with unsharded dims merged (:func:`_merged`). XLA:CPU
-    emits a copy of a small multi-dim block as a nest of constant-trip loops
-    that LLVM unrolls completely (a ``[16, 512]`` block is ~2000 vector
-    instructions per kernel); a 1-D block stays a loop. The stacking, the
-    scan's reads of each layer and its writes of each layer's gradient copy
-    the merged blocks; only handing the gradients back writes blocks of the
-    member's own shape.
+    With :func:`~torch_xla_ext._scan.backend.cpu_codegen`, members are stacked
+    with unsharded dims merged (:func:`_merged`). XLA:CPU emits a copy of a
+    small multi-dim block as a nest of constant-trip loops that LLVM unrolls
+    completely (a ``[16, 512]`` block is ~2000 vector instructions per kernel);
+    a 1-D block stays a loop. The stacking, the scan's reads of each layer and
+    its writes of each layer's gradient copy the merged blocks; only handing
+    the gradients back writes blocks of the member's own shape. Otherwise
+    members keep their shape.
     """
     shape = tuple(member.shape)
     tiling = _tiling(member)
     if tiling is None:
         return shape, lambda stacked: None
     tiles, devices_text, _ = tiling
-    flat, flat_tiles = _merged(shape, tiles[:len(shape)])
+    if cpu_codegen():
+        flat, flat_tiles = _merged(shape, tiles[:len(shape)])
+    else:
+        flat, flat_tiles = shape, tiles[:len(shape)]
 
     def shard(stacked: torch.Tensor) -> None:
         # An unsharded member or a device list in a form (iota) only
@@ -78,6 +84,7 @@ def _stacked_layout(member: torch.Tensor) -> tuple[tuple[int, ...], Callable[[to
 
     return flat, shard
 
+
 @functools.lru_cache(maxsize=256)
 def _tile_mesh(dims: tuple[int, ...], devices_text: str):
     """A mesh whose axes are the tile dimensions of a sharding string (one per distinct sharding)."""
@@ -85,6 +92,7 @@ def _tile_mesh(dims: tuple[int, ...], devices_text: str):
 
     ids = np.array([int(v) for v in devices_text.split(",")])
     return xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
+
 
 # Handing the stacked gradient back with L constant-offset ``slice``s costs one
 # generated kernel per layer. With the offsets as runtime operands the L
@@ -94,6 +102,7 @@ def _tile_mesh(dims: tuple[int, ...], devices_text: str):
 # unlike L dynamic-update-slices (each a pass over the whole buffer on XLA:CPU)
 # it writes every element once.
 _index_tensors: dict[str, list[torch.Tensor]] = {}
+
 
 def _indices(n: int) -> list[torch.Tensor]:
     """``[0] .. [n-1]`` as int64 ``[1]`` tensors on the XLA device (cached; the host sends each once).
@@ -106,10 +115,12 @@ def _indices(n: int) -> list[torch.Tensor]:
     have.extend(torch.tensor([i], dtype=torch.int64).to(device) for i in range(len(have), n))
     return have[:n]
 
+
 def _index_params(b, n: int) -> list:
     """Parameters ``0 .. n-1`` of builder ``b``: the ``[1]`` tensors of :func:`_indices`, as scalars."""
     xb = xla_builder()
     return [xb.mkparam(b, k, xb.mkshape(xb.Type.S64, (1,))).reshape([]) for k in range(n)]
+
 
 @functools.lru_cache(maxsize=256)
 def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
@@ -124,19 +135,24 @@ def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dt
     stacked = xb.Op.concat_in_dim([m.reshape([1, *flat]) for m in members], 0, builder=b)
     return xb.Op.tuple([stacked]).build("txe_stack")
 
+
 @functools.lru_cache(maxsize=256)
-def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype):
-    """``(indices..., stacked, bound) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each in ``shape``."""
+def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype, guarded: bool):
+    """``(indices..., stacked[, bound]) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each in ``shape``.
+
+    ``guarded``: with the runtime ``bound`` of the row guard (see ``backend``).
+    """
     xb = xla_builder()
     b = xb.create_builder("txe_unstack")
     etype = xb.Op.from_torch_type(dtype)
     indices = _index_params(b, n)
     stacked = xb.mkparam(b, n, xb.mkshape(etype, (n, *flat)))
-    bound = xb.mkparam(b, n + 1, xb.mkshape(xb.Type.S32, (1,))).reshape([])
+    bound = xb.mkparam(b, n + 1, xb.mkshape(xb.Type.S32, (1,))).reshape([]) if guarded else None
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
     guard = _guard(bound, list(shape), etype)
     members = [guard(_slice_op(stacked, idx, zero).reshape(list(shape))) for idx in indices]
     return xb.Op.tuple(members).build("txe_unstack")
+
 
 def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(members)`` with each member reshaped as :func:`_stacked_layout` says, and sharded like it."""
@@ -148,12 +164,15 @@ def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
     shard(stacked)
     return stacked
 
+
 def _unstack(stacked: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
     """The members of ``stacked`` (see :func:`_stack`) in ``shape``, as new tensors rather than views."""
     n = stacked.shape[0]
-    computation = _unstack_computation(n, shape, tuple(stacked.shape[1:]), stacked.dtype)
-    operands = [*_indices(n), stacked, _bound()]
+    guarded = cpu_codegen()
+    computation = _unstack_computation(n, shape, tuple(stacked.shape[1:]), stacked.dtype, guarded)
+    operands = [*_indices(n), stacked, *([_bound()] if guarded else [])]
     return list(xlac()._xla_user_computation("xla::txe_unstack", operands, computation))
+
 
 class _Stack(torch.autograd.Function):
     """Stack along a new leading dim; forward and backward keep each member's sharding."""

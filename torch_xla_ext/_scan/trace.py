@@ -25,15 +25,18 @@ Sig = tuple[tuple[int, ...], torch.dtype]
 def _signature(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype)
 
+
 def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A device tensor with a shape and a dtype but no buffer: for tracing only."""
     return xla_builder().create_placeholder_tensor(tuple(shape), dtype)
+
 
 def _not_device_data(t: torch.Tensor) -> torch.Tensor:
     # A pending computation instead of device data, so that mark_sharding
     # inside fn annotates the value rather than replacing the tensor's data,
     # which would detach it from its HLO parameter.
     return fresh_node(t)
+
 
 @contextlib.contextmanager
 def _rng_state_kept():
@@ -50,6 +53,7 @@ def _rng_state_kept():
     finally:
         xm.set_rng_state(state)
 
+
 class _Traced(NamedTuple):
     """One lazy trace of a flat step function on placeholders."""
 
@@ -62,6 +66,7 @@ class _Traced(NamedTuple):
     mutated: tuple[int, ...]        # carry + x leaves the step wrote into, by position
     fingerprint: tuple              # what a cached loop must match (lifting traces; see Lifter)
     held: list[Any]                 # objects the fingerprint names by identity
+
 
 def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequence[Sig] | None = None) -> _Traced:
     """Run ``step`` lazily on placeholders; nothing executes and no device memory is allocated.
@@ -82,6 +87,7 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
             traceback.clear_frames(chained.__traceback__)
             chained = chained.__cause__ or chained.__context__
         raise
+
 
 def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
                            outside: Sequence[Sig] | None) -> _Traced:
@@ -130,6 +136,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
     fingerprint = lifter.fingerprint(carry_out + ys) if lifting else ()
     return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
                    lifter.held)
+
 
 def _check_no_y_aliases_written_carry(ys: Sequence[torch.Tensor], carry_in: Sequence[torch.Tensor],
                                        mutated: tuple[int, ...]) -> None:

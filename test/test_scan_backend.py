@@ -1,0 +1,82 @@
+"""The XLA:CPU lowering choices (row guard, bound operand, merged stacking) apply only behind their switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_ext as txe
+from torch_xla_ext._scan import backend
+from torch_xla_ext._scan.backend import CPU_CODEGEN_ENV, cpu_codegen, forced_cpu_codegen
+from torch_xla_ext.scan import clear_scan_cache
+
+from scan_reference import assert_close_derived
+
+X = torch_xla._XLAC
+
+
+def _step(c, x):
+    return c * x + 1.0, c.sum()
+
+
+def _lowered(outputs) -> str:
+    return X._get_xla_tensors_hlo(list(outputs))
+
+
+def test_the_cpu_device_turns_the_choices_on(device):
+    assert cpu_codegen()
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["cpu", "other_backend"])
+def test_scan_lowers_the_guard_and_bound_only_for_xla_cpu(device, on):
+    clear_scan_cache()
+    init, xs_ = torch.ones(4, device=device), torch.full((3, 4), 0.5, device=device)
+    with forced_cpu_codegen(on):
+        carry, ys = txe.scan(_step, init, xs_)
+    hlo = _lowered([carry, ys])
+    # The guard is select(iota(rows) < bound, ...) on an s32[1] operand.
+    assert ("iota" in hlo) == on and ("select" in hlo) == on and ("s32[1]" in hlo) == on, hlo
+    assert bool(backend._bound_tensors) == on  # nothing uploaded for the bound off the CPU backend
+    torch.testing.assert_close(carry.cpu(), torch.full((4,), 1.875))
+    torch.testing.assert_close(ys.cpu(), torch.tensor([4.0, 6.0, 7.0]))
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["cpu", "other_backend"])
+def test_scan_layers_stacks_merged_members_only_for_xla_cpu(device, mesh_1d, on):
+    import torch_xla.distributed.spmd as xs
+
+    torch.manual_seed(0)
+    cpu_layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+    layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+    layers.load_state_dict(cpu_layers.state_dict())
+    layers = layers.to(device)
+    for layer in layers:
+        xs.mark_sharding(layer.weight, mesh_1d, ("fsdp", None))
+    x_cpu = torch.randn(4, 16)
+    clear_scan_cache()
+    with forced_cpu_codegen(on):
+        out = txe.scan_layers(layers, x_cpu.to(device))
+        out.square().sum().backward()
+    grads = [layer.weight.grad for layer in layers]
+    hlo = _lowered([out, *grads])
+    # Merged: each stacked [16, 16] weight is an f32[3,256]; kept: f32[3,16,16].
+    assert ("f32[3,256]" in hlo) == on and ("f32[3,16,16]" in hlo) != on, hlo
+    assert ("s32[1]" in hlo) == on
+    ref = x_cpu
+    for layer in cpu_layers:
+        ref = layer(ref)
+    ref.square().sum().backward()
+    assert_close_derived(out, ref, 3 * 16)
+    for got, want in zip(grads, [layer.weight.grad for layer in cpu_layers]):
+        assert_close_derived(got, want, 3 * 16 * 4)
+
+
+def test_the_environment_variable_forces_the_choice(device, monkeypatch):
+    monkeypatch.setenv(CPU_CODEGEN_ENV, "0")
+    assert not cpu_codegen()
+    monkeypatch.setenv(CPU_CODEGEN_ENV, "1")
+    assert cpu_codegen()
+    monkeypatch.setenv(CPU_CODEGEN_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 1 .* or 0"):
+        cpu_codegen()
