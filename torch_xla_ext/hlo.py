@@ -658,8 +658,11 @@ def read_hlo(data: bytes | bytearray | memoryview) -> HloModule:
 
     Pure host-side parsing: no device, no transfer. Raises TypeError for
     anything but bytes-like input, and :data:`HloParseError` (a ValueError
-    naming the byte offset) when the bytes are not a well-formed proto. A
-    non-contiguous memoryview is copied first.
+    naming the byte offset) when the bytes are not a well-formed proto, or
+    when they describe far more data than their size holds: the reader
+    allocates at most ``_C.BUDGET_BYTES_PER_INPUT_BYTE`` (64) bytes per input
+    byte plus ``_C.BUDGET_BASE_BYTES`` (1 MiB); lowered modules need 11-18.
+    A non-contiguous memoryview is copied first.
     """
     return HloModule(_C.read_module(_contiguous_bytes(data, "read_hlo")))
 

@@ -14,7 +14,22 @@
 
 namespace {
 
-void Exercise(const txe::hlo::Module& m) {
+void Exercise(const txe::hlo::Module& m, std::size_t size) {
+  // The cost bounds of hlo_reader.h.
+  const std::size_t limit =
+      txe::hlo::kBudgetBytesPerInputByte * size + txe::hlo::kBudgetBaseBytes;
+  if (m.budget_limit != limit || m.budget_used > limit) std::abort();
+  int64_t edges = 0;
+  for (const auto& comp : m.computations) {
+    for (const auto& ins : comp.instructions) {
+      edges += static_cast<int64_t>(ins.called_computation_ids.size());
+    }
+  }
+  if (m.while_walk_steps >
+      txe::hlo::kWhileWalkStepsPerEdge *
+          (static_cast<int64_t>(m.computations.size()) + edges)) {
+    std::abort();
+  }
   std::size_t sink = 0;
   sink += static_cast<std::size_t>(m.NumInstructions());
   sink += m.EntryParameters().size();
@@ -24,14 +39,18 @@ void Exercise(const txe::hlo::Module& m) {
     sink += static_cast<std::size_t>(w.body_instruction_count);
   }
   sink += static_cast<std::size_t>(m.ConstantsBytes());
-  for (const auto& comp : m.computations) {
+  for (int ci = 0; ci < static_cast<int>(m.computations.size()); ++ci) {
+    const auto& comp = m.computations[ci];
     for (const auto& ins : comp.instructions) {
       sink += ins.shape.ToString().size();
       sink += static_cast<std::size_t>(ins.shape.byte_size());
       if (ins.sharding) sink += ins.sharding->text.size();
-      sink += m.InstructionById(ins.id) != nullptr;
+      // Every id resolves, in its own computation first.
+      if (m.InstructionById(ins.id) == nullptr) std::abort();
+      if (m.InstructionLocation(ins.id, ci).first != ci) std::abort();
     }
-    sink += m.ComputationIndexByName(comp.name) >= 0;
+    if (m.ComputationIndexByName(comp.name) < 0) std::abort();
+    if (m.ComputationIndexById(comp.id) < 0) std::abort();
   }
   // Keep the work observable.
   if (sink == static_cast<std::size_t>(-1)) std::abort();
@@ -42,7 +61,7 @@ void Exercise(const txe::hlo::Module& m) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   try {
     const txe::hlo::Module m = txe::hlo::ParseModule(data, size);
-    Exercise(m);
+    Exercise(m, size);
   } catch (const txe::hlo::ParseError& e) {
     // Malformed input is expected; the message must name the offset.
     if (std::string(e.what()).find("byte offset") == std::string::npos) {
