@@ -75,7 +75,11 @@ def annotate_modules_for_dynamo(
     ignored = {id(m) for m in ignored_list}  # identity, immune to custom __eq__/__hash__
 
     # Collect first, so a failure in the walk leaves every module untouched.
-    targets = [m for m in lr_dfs_modules(module) if id(m) not in ignored]
-    for m in targets:
+    mark_managed([m for m in lr_dfs_modules(module) if id(m) not in ignored], use_orig_params)
+
+
+def mark_managed(modules: Iterable[nn.Module], use_orig_params: bool) -> None:
+    """Set dynamo's two FSDP marks on exactly ``modules`` (already walked and filtered by the caller)."""
+    for m in modules:
         m._is_fsdp_managed_module = True  # type: ignore[assignment]
         m._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ._traversal import ModuleTree, SkipFn, module_tree
 
-__all__ = ["SharedParamInfo", "get_shared_param_info_to_lca", "param_owners"]
+__all__ = ["SharedParamInfo", "get_shared_param_info_to_lca", "param_owners", "param_owners_in"]
 
 
 class SharedParamInfo(NamedTuple):
@@ -189,8 +189,20 @@ def param_owners(
     Keys are in first-registration order.  O(modules + registrations *
     alpha), no recursion, no tensor data read.
     """
+    _ignored_ids(ignored_params)  # bad arguments are reported before the walk
+    return param_owners_in(module_tree(root, skip=skip), ignored_params)
+
+
+def param_owners_in(
+    tree: ModuleTree,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> dict[nn.Parameter, nn.Module]:
+    """:func:`param_owners` over a tree already walked (see :func:`~._traversal.module_tree`).
+
+    For callers that need the tree for more than this query: the hierarchy
+    is not walked again.
+    """
     ignored = _ignored_ids(ignored_params)
-    tree = module_tree(root, skip=skip)
     walk = _TarjanWalk(tree)
     owner: dict[int, int] = {}  # id(param) -> module index of the LCA so far
     params: dict[int, nn.Parameter] = {}

@@ -1,0 +1,243 @@
+"""One fully sharded parameter: its mesh axis, placement, gather, regather and gradient sharding.
+
+Everything about a single parameter lives here; which state manages which
+parameter is decided in :mod:`._ownership`.
+
+Data movement: :func:`place` uploads a host parameter once (host to device)
+and reshards an XLA parameter on the device; the gather and the gradient hook
+only add sharding annotations. Nothing here reads device data back to the host.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from ._weak import WeakIdMap
+
+from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replicated_spec
+
+__all__ = [
+    "Gather",
+    "Regather",
+    "applied_count",
+    "applied_spec",
+    "axis_size",
+    "current_spec",
+    "default_placement",
+    "grad_sharder",
+    "move_to",
+    "place",
+    "record_applied",
+    "resolve_mesh",
+    "shard_new",
+    "spec_for",
+    "spec_string",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Mesh and placement.
+# --------------------------------------------------------------------------- #
+
+
+def resolve_mesh(mesh: Any) -> tuple[Any, str | int]:
+    """``(mesh, fsdp axis)``: the given mesh, else the global one, else a 1-D ``('fsdp',)`` mesh."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    if mesh is None:
+        mesh = xs.get_global_mesh()
+        if mesh is None:
+            n = xr.global_runtime_device_count()
+            mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
+    if not isinstance(mesh, xs.Mesh):
+        raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names) if mesh.axis_names is not None else None
+    if names is not None and "fsdp" in names:
+        return mesh, "fsdp"
+    if len(mesh.mesh_shape) == 1:
+        return mesh, (names[0] if names else 0)
+    raise ValueError(f"the mesh has axes {names} and shape {tuple(mesh.mesh_shape)}: fully_shard needs an "
+                     f"axis named 'fsdp' or a 1-D mesh")
+
+
+def axis_size(mesh: Any, axis: str | int) -> int:
+    """Number of devices along ``axis`` of ``mesh``."""
+    index = axis if isinstance(axis, int) else list(mesh.axis_names).index(axis)
+    return int(mesh.mesh_shape[index])
+
+
+def default_placement(param: torch.Tensor, fqn: str, size: int, fn: Callable | None) -> int | None:
+    """The dimension ``param`` is sharded on over a ``size``-way axis (None: replicated, with a warning).
+
+    ``fn(param)`` decides when it returns a dimension; otherwise dim 0 when it
+    divides, else the largest dimension that does.
+    """
+    dim = fn(param) if fn is not None else None
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -param.dim() <= dim < param.dim():
+            raise ValueError(f"shard_placement_fn returned {dim!r} for {fqn} of shape {tuple(param.shape)}; "
+                             f"expected a dimension index or None")
+        dim %= param.dim()
+        if param.shape[dim] % size:
+            raise ValueError(f"shard_placement_fn chose dim {dim} of {fqn} (size {param.shape[dim]}), "
+                             f"which does not divide over the {size}-way fsdp axis")
+        return dim
+    if param.dim() == 0:
+        return None
+    if param.shape[0] % size == 0:
+        return 0
+    divisible = [d for d in range(param.dim()) if param.shape[d] % size == 0]
+    if divisible:
+        return max(divisible, key=lambda d: (param.shape[d], -d))
+    warnings.warn(f"fully_shard: no dimension of {fqn} {tuple(param.shape)} divides over the {size}-way "
+                  f"fsdp axis; it stays replicated", stacklevel=3)
+    return None
+
+
+def spec_for(param: torch.Tensor, dim: int | None, axis: str | int) -> tuple:
+    """The partition spec sharding ``dim`` of ``param`` over ``axis`` (all None: replicated)."""
+    return tuple(axis if d == dim else None for d in range(param.dim()))
+
+
+def spec_string(mesh: Any, spec: tuple, param: torch.Tensor) -> str:
+    """What ``mark_sharding(param, mesh, spec)`` would record, computed on a stand-in."""
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+
+    if all(s is None for s in spec):
+        return ""
+    standin = fresh_node(xb.create_placeholder_tensor(tuple(param.shape), param.dtype))
+    torch_xla._XLAC._xla_mark_sharding(standin, mesh.get_op_sharding(spec))
+    return torch_xla._XLAC._get_xla_sharding_spec(standin)
+
+
+def current_spec(t: torch.Tensor) -> str:
+    """The sharding string ``t`` carries now ('' for host tensors and replicated ones)."""
+    import torch_xla
+
+    if t.device.type != "xla":
+        return ""
+    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    return "" if is_replicated_spec(spec) else spec
+
+
+# Parameters this library placed -> the partition spec applied. Keyed by
+# identity and held weakly: an entry goes when its parameter is freed.
+_applied: WeakIdMap = WeakIdMap()
+
+
+def applied_spec(p: torch.Tensor) -> tuple | None:
+    """The partition spec fully_shard gave ``p``, or None when it never placed ``p``."""
+    return _applied.get(p)
+
+
+def record_applied(p: torch.Tensor, spec: tuple) -> None:
+    """Remember that ``p`` was placed with ``spec`` (for as long as ``p`` lives)."""
+    _applied[p] = spec
+
+
+def applied_count() -> int:
+    """How many live parameters fully_shard has placed (diagnostics and tests)."""
+    return len(_applied)
+
+
+def move_to(p: nn.Parameter, device: torch.device) -> None:
+    """Move ``p`` to ``device`` in place: the same Parameter object, so ties survive."""
+    with torch.no_grad():
+        moved = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+    torch.utils.swap_tensors(p, moved)
+
+
+def grad_sharder(mesh: Any, spec: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A parameter hook giving the gradient the parameter's sharding."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if grad.device.type != "xla" or all(s is None for s in spec):
+            return grad
+        return annotate_sharding(grad, mesh, spec)
+
+    return hook
+
+
+def shard_new(p: nn.Parameter, mesh: Any, spec: tuple, device: torch.device) -> None:
+    """First placement of a parameter fully_shard checked: upload if on the host, shard, hook its gradient."""
+    import torch_xla.distributed.spmd as xs
+
+    if p.device.type != "xla":
+        move_to(p, device)
+    if any(s is not None for s in spec):
+        xs.mark_sharding(p, mesh, spec)
+    record_applied(p, spec)
+    p.register_hook(grad_sharder(mesh, spec))
+
+
+def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
+    """Put ``p`` on the XLA device with partition ``spec``, in place, with the gradient hook.
+
+    ``target_text`` is the sharding string ``spec`` gives (see
+    :func:`spec_string`). A host tensor is uploaded and sharded (host to
+    device only); an XLA tensor whose sharding differs is resharded on the
+    device. Nothing moves from the device to the host.
+    """
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    if p.device.type != "xla":
+        move_to(p, torch_xla.device())
+        if any(s is not None for s in spec):
+            xs.mark_sharding(p, mesh, spec)
+    elif current_spec(p) != target_text:
+        # mark_sharding would read device data back to the host; an
+        # annotated copy is resharded by the compiler on the device.
+        with torch.no_grad():
+            p.copy_(annotate_sharding(p.detach(), mesh, spec))
+    if applied_spec(p) is None:
+        record_applied(p, spec)
+        p.register_hook(grad_sharder(mesh, spec))
+
+
+# --------------------------------------------------------------------------- #
+# Gather / reduce-scatter as an autograd function.
+# --------------------------------------------------------------------------- #
+
+
+class Gather(torch.autograd.Function):
+    """Forward: all-gather (annotate replicated). Backward: reduce-scatter (annotate sharded).
+
+    With ``reshard``, a ``scan`` backward recomputes the gather from the
+    sharded input instead of keeping the gathered value from the forward.
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh, sharded: tuple, reduce_dtype: torch.dtype | None,
+                reshard: bool) -> torch.Tensor:
+        ctx.mesh, ctx.sharded, ctx.reduce_dtype, ctx.dtype = mesh, sharded, reduce_dtype, t.dtype
+        return annotate_sharding(t, mesh, (None,) * t.dim(), recompute_in_backward=reshard)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.reduce_dtype is not None:
+            grad = grad.to(ctx.reduce_dtype)
+        grad = annotate_sharding(grad, ctx.mesh, ctx.sharded)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+class Regather:
+    """What a saved gathered parameter is packed into when resharding after forward."""
+
+    __slots__ = ("source", "dtype", "mesh", "dims")
+
+    def __init__(self, source: torch.Tensor, dtype: torch.dtype, mesh, dims: int) -> None:
+        self.source, self.dtype, self.mesh, self.dims = source, dtype, mesh, dims
+
+    def unpack(self) -> torch.Tensor:
+        """Gather the saved sharded parameter again, behind an optimization barrier."""
+        with torch.no_grad():
+            fresh = behind_barrier(self.source.detach())
+            return annotate_sharding(fresh.to(self.dtype), self.mesh, (None,) * self.dims)

@@ -1,0 +1,350 @@
+"""State objects of ``fully_shard`` and ``replicate``, and the registry that finds them.
+
+Nothing is written into a module's ``__dict__``: every per-module fact lives in
+one of three maps keyed by module identity and held weakly (an entry goes when
+its module is freed), read through the lookup functions below:
+
+- ``fully_shard``-ed module -> :class:`FSDPState` (:func:`fsdp_state`);
+- ``replicate``-d module -> :class:`ReplicateState` (:func:`replicate_state`);
+- module holding a managed or replicated parameter registration ->
+  :class:`HolderRecord` (:func:`holder_record`), which ``load_state_dict``
+  reads to keep the sharding.
+
+States never hold their modules strongly (a registration's holder is a weak
+reference), so the weak maps do free them. Only Python objects are kept here;
+the forward's gather is the one place that builds XLA operations, and it moves
+nothing to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from ._weak import WeakIdMap
+
+from .._annotate import annotate_sharding, shard_activation
+from ._param import Gather, Regather, axis_size, place, spec_string
+
+__all__ = [
+    "FSDPState",
+    "HolderRecord",
+    "MixedPrecisionPolicy",
+    "ReplicateState",
+    "Slot",
+    "copy_records",
+    "fsdp_state",
+    "fully_sharded_modules",
+    "holder_record",
+    "is_fully_sharded",
+    "is_replicated",
+    "register_fsdp",
+    "register_replicate",
+    "registry_size",
+    "replicate_state",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Mixed precision for a fully sharded module, as in FSDP2.
+
+    Attributes:
+      param_dtype: dtype the gathered parameters are cast to for compute
+        (None: keep the parameter dtype).
+      reduce_dtype: dtype gradients are reduced (reduce-scattered) in
+        (None: the compute dtype).
+      output_dtype: dtype floating-point forward outputs are cast to (None: leave).
+      cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise TypeError(f"MixedPrecisionPolicy.{name} must be a floating-point torch.dtype or None, "
+                                f"got {value!r}")
+
+
+class Slot:
+    """One registration (holder module, local name) of a managed parameter.
+
+    The holder is referenced weakly, so a state never keeps its modules alive.
+    """
+
+    __slots__ = ("_holder", "name", "param", "spec", "fqn")
+
+    def __init__(self, holder: nn.Module, name: str, param: nn.Parameter, spec: tuple, fqn: str) -> None:
+        self._holder = weakref.ref(holder)
+        self.name = name
+        self.param = param
+        self.spec = spec  # partition spec of the parameter over the mesh
+        self.fqn = fqn    # relative to the managing module
+
+    @property
+    def holder(self) -> nn.Module | None:
+        """The module registering the parameter (None once it was freed)."""
+        return self._holder()
+
+
+def unique_managed(slots: list[Slot]) -> list[tuple[str, nn.Parameter]]:
+    """``(fqn, parameter)`` of each distinct parameter of ``slots``, first registration first."""
+    seen: set[int] = set()
+    out = []
+    for slot in slots:
+        if id(slot.param) not in seen:
+            seen.add(id(slot.param))
+            out.append((slot.fqn, slot.param))
+    return out
+
+
+class FSDPState:
+    """What ``fully_shard(module, ...)`` decided for one module, and its forward."""
+
+    def __init__(self, mesh: Any, axis: str | int, reshard_after_forward: bool,
+                 shard_placement_fn: Callable | None, mp_policy: MixedPrecisionPolicy,
+                 ignored_params: set[nn.Parameter]) -> None:
+        self.mesh, self.axis = mesh, axis
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_placement_fn = shard_placement_fn
+        self.mp_policy = mp_policy
+        self.ignored_params = ignored_params
+        self.managed: list[tuple[str, nn.Parameter]] = []
+        self.slots: list[Slot] = []
+        self._spec_texts: dict[tuple[tuple, int], str] = {}
+
+    def spec_text(self, spec: tuple, param: torch.Tensor) -> str:
+        """The sharding string ``param`` carries once placed with ``spec`` ('' when replicated)."""
+        key = (spec, param.dim())
+        text = self._spec_texts.get(key)
+        if text is None:
+            text = self._spec_texts[key] = spec_string(self.mesh, spec, param)
+        return text
+
+    def set_slots(self, slots: list[Slot]) -> None:
+        """Manage exactly the registrations ``slots``."""
+        self.slots = slots
+        self.managed = unique_managed(slots)
+
+    def adopt(self, replaced: dict[int, nn.Parameter | None]) -> None:
+        """After ``load_state_dict``: make each registration's current parameter the managed one.
+
+        ``replaced`` maps ``id(old managed parameter)`` to the parameter that
+        replaces it (None: kept). Every registration of a tied parameter is
+        pointed at its replacement, which is placed on the device with the
+        slot's sharding (see :func:`._param.place`).
+        """
+        groups: dict[int, list[Slot]] = {}
+        for slot in self.slots:
+            if id(slot.param) in replaced:
+                groups.setdefault(id(slot.param), []).append(slot)
+        changed = False
+        for key, slots in groups.items():
+            new = replaced[key]
+            if new is None:
+                new = slots[0].param
+            for slot in slots:
+                holder = slot.holder
+                if holder is not None and holder._parameters.get(slot.name) is not new:
+                    holder._parameters[slot.name] = new
+                changed |= slot.param is not new
+                slot.param = new
+            spec = slots[0].spec
+            place(new, self.mesh, spec, self.spec_text(spec, new))
+        if changed:
+            self.managed = unique_managed(self.slots)
+
+    def forward(self, forward: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run ``forward(module, *args, **kwargs)`` with every managed parameter gathered."""
+        mp = self.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
+        swapped: list[tuple[nn.Module, str, Any]] = []
+        gathered: dict[int, tuple[torch.Tensor, Regather]] = {}
+        try:
+            for slot in self.slots:
+                holder = slot.holder
+                if holder is None:
+                    continue
+                current = holder._parameters[slot.name]
+                value = gathered.get(id(current))
+                if value is None:
+                    source = current
+                    if mp.param_dtype is not None and source.is_floating_point():
+                        source = source.to(mp.param_dtype)
+                    full = Gather.apply(source, self.mesh, slot.spec, mp.reduce_dtype, self.reshard_after_forward)
+                    value = (full, Regather(current, source.dtype, self.mesh, current.dim()))
+                    gathered[id(current)] = value
+                holder._parameters[slot.name] = value[0]
+                swapped.append((holder, slot.name, current))
+            if self.reshard_after_forward and gathered and torch.is_grad_enabled() and not _tracing(swapped):
+                packed = {id(full): (full, regather) for full, regather in gathered.values()}
+
+                def pack(t: torch.Tensor) -> Any:
+                    hit = packed.get(id(t))
+                    return hit[1] if hit is not None and hit[0] is t else t
+
+                def unpack(obj: Any) -> torch.Tensor:
+                    return obj.unpack() if isinstance(obj, Regather) else obj
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                    out = forward(module, *args, **kwargs)
+            else:
+                out = forward(module, *args, **kwargs)
+        finally:
+            for holder, name, current in reversed(swapped):
+                holder._parameters[name] = current
+        if mp.output_dtype is not None:
+            out = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(mp.output_dtype) if t.is_floating_point() else t, out)
+        # Keep activations sharded over the fsdp axis on their leading (batch)
+        # dimension, so the compiler gathers weights rather than activations.
+        return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
+
+    def _shard_batch(self, t: torch.Tensor) -> torch.Tensor:
+        if (t.device.type != "xla" or not t.is_floating_point() or t.dim() == 0
+                or t.shape[0] % axis_size(self.mesh, self.axis)):
+            return t
+        spec = (self.axis,) + (None,) * (t.dim() - 1)
+        return shard_activation(t, self.mesh, spec) if t.requires_grad else annotate_sharding(t, self.mesh, spec)
+
+
+def _tracing(swapped: list[tuple[nn.Module, str, Any]]) -> bool:
+    """True while AOTAutograd traces the forward (inside scan): its partitioner decides what is saved."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(isinstance(current, torch.Tensor) and is_fake(current) for _, _, current in swapped)
+
+
+@dataclasses.dataclass
+class ReplicateState:
+    """What ``replicate(module, mesh=...)`` recorded: the mesh given (None: not given)."""
+
+    mesh: Any = None
+
+
+@dataclasses.dataclass
+class HolderRecord:
+    """Per module holding registrations fully_shard or replicate manage (for ``load_state_dict``).
+
+    Attributes:
+      owned: local parameter name -> (managing state, its slot).
+      replicas: local names of parameters of a replicated subtree.
+      load_hooks: whether the load_state_dict hooks are registered on the module.
+    """
+
+    owned: dict[str, tuple[FSDPState, Slot]] = dataclasses.field(default_factory=dict)
+    replicas: dict[str, None] = dataclasses.field(default_factory=dict)
+    load_hooks: bool = False
+
+
+# --------------------------------------------------------------------------- #
+# The registry: weak, identity-keyed (modules may define __eq__/__hash__).
+# --------------------------------------------------------------------------- #
+
+_fsdp: WeakIdMap = WeakIdMap()       # module -> FSDPState
+_replicate: WeakIdMap = WeakIdMap()  # module -> ReplicateState
+_holders: WeakIdMap = WeakIdMap()    # module -> HolderRecord
+
+
+def fsdp_state(module: nn.Module) -> FSDPState | None:
+    """The state ``fully_shard`` attached to ``module``, or None when it was not applied."""
+    return _fsdp.get(module)
+
+
+def replicate_state(module: nn.Module) -> ReplicateState | None:
+    """The state ``replicate`` attached to ``module``, or None when it was not applied."""
+    return _replicate.get(module)
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module``."""
+    return module in _fsdp
+
+
+def is_replicated(module: nn.Module) -> bool:
+    """Whether ``replicate`` was applied to ``module``."""
+    return module in _replicate
+
+
+def register_fsdp(module: nn.Module, state: FSDPState) -> None:
+    """Attach ``state`` to ``module`` (for as long as the module lives)."""
+    _fsdp[module] = state
+
+
+def register_replicate(module: nn.Module, state: ReplicateState) -> None:
+    """Attach ``state`` to ``module`` (for as long as the module lives)."""
+    _replicate[module] = state
+
+
+def fully_sharded_modules() -> list[nn.Module]:
+    """Every live fully sharded module, in the order ``fully_shard`` was applied."""
+    return list(_fsdp.keys())
+
+
+def holder_record(module: nn.Module, create: bool = False) -> HolderRecord | None:
+    """``module``'s :class:`HolderRecord`; with ``create``, a new empty one when it has none."""
+    record = _holders.get(module)
+    if record is None and create:
+        record = _holders[module] = HolderRecord()
+    return record
+
+
+def registry_size() -> int:
+    """Entries in the registry (it shrinks as modules are freed); for diagnostics and tests."""
+    return len(_fsdp) + len(_replicate) + len(_holders)
+
+
+def copy_records(memo: dict[int, Any]) -> None:
+    """Give the modules a ``copy.deepcopy`` made (``memo``: id(original) -> copy) their originals' records.
+
+    Called at the end of each fully sharded module's ``__deepcopy__``; a
+    record whose modules are not all copied yet waits for an enclosing one.
+    Copied parameters are not placed again: they keep the sharding the copy gave them.
+    """
+    copied: dict[int, FSDPState] = {}  # id(original state) -> state of the copy
+    for original, state in list(_fsdp.items()):
+        new_module = memo.get(id(original))
+        if new_module is None:
+            continue
+        existing = _fsdp.get(new_module)
+        if existing is not None:
+            copied[id(state)] = existing
+            continue
+        holders = [slot.holder for slot in state.slots]
+        if any(h is None or id(h) not in memo for h in holders):
+            continue
+        new = FSDPState(state.mesh, state.axis, state.reshard_after_forward, state.shard_placement_fn,
+                        state.mp_policy, {memo.get(id(p), p) for p in state.ignored_params})
+        new._spec_texts = dict(state._spec_texts)
+        new.set_slots([Slot(memo[id(h)], s.name, memo.get(id(s.param), s.param), s.spec, s.fqn)
+                       for s, h in zip(state.slots, holders)])
+        _fsdp[new_module] = new
+        copied[id(state)] = new
+    for original, state in list(_replicate.items()):
+        new_module = memo.get(id(original))
+        if new_module is not None and new_module not in _replicate:
+            _replicate[new_module] = ReplicateState(state.mesh)
+    for original, record in list(_holders.items()):
+        new_module = memo.get(id(original))
+        if new_module is None or new_module in _holders:
+            continue
+        if any(id(st) not in copied for st, _ in record.owned.values()):
+            continue
+        owned = {}
+        for name, (st, slot) in record.owned.items():
+            new_state = copied[id(st)]
+            owned[name] = (new_state, next(s for s in new_state.slots
+                                           if s.name == name and s.holder is new_module))
+        _holders[new_module] = HolderRecord(owned, dict(record.replicas), record.load_hooks)
