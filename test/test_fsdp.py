@@ -591,3 +591,62 @@ def test_fully_sharded_module_outputs_stay_batch_sharded(device, mesh):
     odd = model.layers[1](h[:3])  # a leading dimension that does not divide is left alone
     assert spec(odd) in ("", "{replicated}")
     torch_xla.sync()
+
+
+def test_each_fully_shard_call_walks_the_module_tree_once(mesh, monkeypatch):
+    """One tree per call: the enclosing top's, reused for ownership, LCA and dynamo marks
+    (plus the module's own when another fully sharded module encloses it)."""
+    from torch_xla_ext.distributed import _traversal
+
+    builds = []
+    real = _traversal.module_tree
+    monkeypatch.setattr(_traversal, "module_tree", lambda *a, **k: builds.append(a[0]) or real(*a, **k))
+
+    def walks(m: nn.Module) -> int:
+        builds.clear()
+        fully_shard(m, mesh=mesh)
+        return len(builds)
+
+    model = Decoder(layers=8)
+    assert [walks(layer) for layer in model.layers] + [walks(model)] == [1] * 9  # bottom-up
+    top_down = Decoder(layers=8)
+    assert walks(top_down) == 1
+    assert [walks(layer) for layer in top_down.layers] == [2] * 8  # the layer's tree and the root's
+    assert_bookkeeping(model)
+    assert_bookkeeping(top_down)
+
+
+def test_no_registry_grows_with_modules_created_and_dropped(mesh):
+    """States live in weak, identity-keyed maps: sharding and dropping modules leaves nothing behind."""
+    import gc
+    import weakref
+
+    from torch_xla_ext.distributed import _param, _state
+    from torch_xla_ext.distributed.fully_shard import _fsdp_classes
+
+    def shard_and_drop() -> weakref.ref:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8))
+        replicate(model[1])
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert fully_shard.state(model) is not None and replicate.state(model[1]) is not None
+        assert fully_shard.state(model[1]) is None and replicate.state(model) is None
+        return weakref.ref(model)
+
+    shard_and_drop()  # the FSDP classes of Linear and Sequential: one per class, made once
+    gc.collect()
+    before = (_state.registry_size(), _param.applied_count(), len(_fsdp_classes))
+    refs = [shard_and_drop() for _ in range(100)]
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert (_state.registry_size(), _param.applied_count(), len(_fsdp_classes)) == before
+
+
+def test_deepcopy_of_a_fully_sharded_model_is_fully_sharded(device, mesh):
+    model = shard_decoder(Decoder(use_scan=False), mesh)
+    copied = copy.deepcopy(model)
+    assert type(copied) is type(model) and copied.embed.weight is copied.head.weight
+    assert get_fully_sharded_modules(copied) == [copied] + list(copied.layers)
+    assert_bookkeeping(copied)
+    (_, _), (tx, _) = batch(device, mesh)
+    torch.testing.assert_close(copied(tx).cpu(), model(tx).cpu(), **EXACT)
