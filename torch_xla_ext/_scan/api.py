@@ -130,7 +130,7 @@ def scan(
         arguments of its torch calls, host tensors (by identity and version
         counter). A loop lowered on an earlier call is reused only when this
         trace matches it exactly (same torch calls with the same non-tensor
-        arguments, the same role for every tensor argument, the same graph)
+        arguments, the same role for every tensor argument)
         and the inputs have the same structure, shapes, dtypes, shardings and
         ``requires_grad`` flags; otherwise ``fn`` is lowered and compiled again
         (at most 16 loops are kept per ``fn``; see :func:`scan_cache_info`).
@@ -138,7 +138,10 @@ def scan(
         and its control flow the same between calls (pass a number that
         changes every step, a learning rate say, as a tensor). Side effects
         outside torch run once per call, at trace time, not once per
-        iteration. False: lower and compile on every call.
+        iteration. Calls into torch_xla's own ops (``xm.*``,
+        ``xs.mark_sharding``) are not torch calls and are not compared: keep
+        their non-tensor arguments fixed between calls. False: lower and
+        compile on every call.
 
     Returns:
       ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.

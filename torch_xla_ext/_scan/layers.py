@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from .api import _scan_flat
 from .cache import on_clear
-from .lift import graph_hash
+from .lift import ValueIdentity
 from .sharding import _canonical_specs
 from .stacking import _Stack, _unstack
 
@@ -88,14 +88,15 @@ def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[
         def layer_step(h, state):
             params = {name: t if tuple(t.shape) == shape else t.reshape(shape)
                       for name, shape, t in zip(names, shapes, state)}
-            views = [(t, params[name]) for name, t in zip(names, state) if params[name] is not t]
-            before = [(v._version, graph_hash([v])) for _, v in views if not _is_fake(v)]
-            out = functional_call(template_ref(), params, (h,))
             # A write into a reshaped member reaches its slice through the view,
             # except from ops that update an argument from C++ in lazy mode
             # (batch_norm's running stats): copy those back so scan sees them.
-            for (t, v), (version, digest) in zip([tv for tv in views if not _is_fake(tv[1])], before):
-                if v._version != version or graph_hash([v]) != digest:
+            views = [(t, params[name]) for name, t in zip(names, state)
+                     if params[name] is not t and not _is_fake(params[name])]
+            identity = ValueIdentity([v for _, v in views])
+            out = functional_call(template_ref(), params, (h,))
+            for (t, v), changed in zip(views, identity.changed([v for _, v in views])):
+                if changed:
                     t.copy_(v.reshape(t.shape))
             return out, None
 

@@ -8,13 +8,14 @@ While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
   of first use, and becomes an explicit loop operand. The tensor objects are
   re-resolved on every call, so a dict entry or attribute that now holds a
   different tensor is read as it is now.
-* **Record** a fingerprint of everything the trace depended on that the lazy
-  graph does not show: each call's function, its Python numbers and other
-  non-tensor arguments *by value*, which input / outside tensor / earlier result
-  each tensor argument was, and the identity and version counter of host
-  tensors read from outside. Together with the graph hash of the outputs, two
-  traces with equal fingerprints lower to the same loop with the same constants;
-  a cached loop is reused only then.
+* **Record** a fingerprint of the trace: each torch call's function, its
+  Python numbers and other non-tensor arguments *by value*, which input /
+  outside tensor / earlier result each tensor argument was, and the identity
+  and version counter of host tensors read from outside. Two traces with equal
+  fingerprints lower to the same loop with the same constants; a cached loop is
+  reused only then. Calls into torch_xla's own ops that bypass torch functions
+  (``xm.*``, ``xs.mark_sharding``) are not recorded: their non-tensor
+  arguments must not change between calls of one cached fn.
 * **Refuse writes** to outside tensors by any route: an in-place op or ``out=``
   on one fails at once; a write through an alias (``.data``, a view) shows up
   as a changed stand-in after the trace (:meth:`Lifter.check_outside_unchanged`).
@@ -31,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._xla import xlac
 
-__all__ = ["Lifter", "graph_hash", "is_inplace_call"]
+__all__ = ["Lifter", "is_inplace_call", "ValueIdentity"]
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
@@ -57,9 +58,29 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return targets
 
 
-def graph_hash(tensors: Sequence[torch.Tensor]) -> bytes:
-    """torch_xla's hash of the lazy graph computing ``tensors`` (structure, shapes, dtypes; not data)."""
-    return bytes(xlac()._get_graph_hash(list(tensors))) if tensors else b""
+class ValueIdentity:
+    """Tells whether a lazy tensor still holds the value it held when this was made (about 1 us a tensor).
+
+    A write replaces a tensor's IR value: through Python ops it also bumps
+    the version counter, from C++ (batch_norm's running statistics) or by a
+    sharding annotation only the value. While an identity lives it keeps the
+    original values alive, so no new value can take a freed one's address.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        X = xlac()
+        self._before = [(t._version, X._unique_id_for_ir_and_data(t)) for t in tensors]
+        self._held = [t * 1 if t.dtype != torch.bool else t ^ False for t in tensors]
+
+    def changed(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per tensor (the same ones, in order): whether its value was replaced."""
+        X = xlac()
+        return [t._version != v or X._unique_id_for_ir_and_data(t) != uid
+                for t, (v, uid) in zip(tensors, self._before)]
+
+    def written(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per tensor: whether a Python in-place op wrote it (its version counter moved)."""
+        return [t._version != v for t, (v, _) in zip(tensors, self._before)]
 
 
 class Lifter(TorchFunctionMode):
@@ -83,7 +104,7 @@ class Lifter(TorchFunctionMode):
         self._standin_for = standin_for
         self.outside: list[torch.Tensor] = []
         self.standins: list[torch.Tensor] = []
-        self._standin_hashes: list[bytes] = []
+        self._standin_ids: list[ValueIdentity] = []
         self._index: dict[int, int] = {}
         self._alias: dict[int, torch.Tensor] = {}
         self._record = record
@@ -113,7 +134,8 @@ class Lifter(TorchFunctionMode):
         self._index[id(original)] = k
         self.outside.append(original)
         self.standins.append(standin)
-        self._standin_hashes.append(graph_hash([standin]) if self._record else b"")
+        if self._record:
+            self._standin_ids.append(ValueIdentity([standin]))
         self._known[id(standin)] = standin
         self._roles[id(standin)] = ("o", k)
         return standin
@@ -179,14 +201,20 @@ class Lifter(TorchFunctionMode):
             return ("id", type(value).__name__, id(value))
         return (type(value).__qualname__, value)
 
-    def fingerprint(self, outputs: Sequence[torch.Tensor]) -> tuple:
-        """What a cached loop must match to be reused: every call with its arguments, and the output graph."""
-        return (tuple(self._calls), graph_hash(outputs))
+    def fingerprint(self) -> tuple:
+        """What a cached loop must match to be reused: every torch call with its arguments, in order.
+
+        Each tensor argument is named by its role (input k, outside tensor k,
+        the n-th tensor made by fn), so the record fixes the dataflow too. (No
+        graph hash: torch_xla computes one only after the previous step's
+        execution finished, which would make tracing wait on the device.)
+        """
+        return tuple(self._calls)
 
     def check_outside_unchanged(self) -> None:
         """Raise if fn wrote into an outside tensor through an alias (``.data``, a view, ``copy_`` on a view)."""
-        for k, (standin, before) in enumerate(zip(self.standins, self._standin_hashes)):
-            if before and graph_hash([standin]) != before:
+        for k, (standin, identity) in enumerate(zip(self.standins, self._standin_ids)):
+            if identity.changed([standin])[0]:
                 t = self.outside[k]
                 raise RuntimeError(
                     f"scan: fn writes into a tensor defined outside it (shape {tuple(t.shape)}, dtype "

@@ -17,7 +17,7 @@ import torch
 
 from .._annotate import fresh_node
 from .._xla import xla_builder
-from .lift import Lifter, graph_hash
+from .lift import Lifter, ValueIdentity
 
 Sig = tuple[tuple[int, ...], torch.dtype]
 
@@ -115,15 +115,15 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         lifter = Lifter(carry_in + x_in + carry_ph + x_ph, standin, record=True)
         # Written inputs: in-place ops (also through views) bump the version
         # counter; ops that update an argument from C++ (batch_norm's running
-        # stats) change only its graph. A sharding annotation changes the graph
+        # stats) replace only its value. A sharding annotation replaces the value
         # too, and then the input counts as written (a copy is harmless).
-        before = [(t._version, graph_hash([t])) for t in carry_in + x_in]
+        identity = ValueIdentity(carry_in + x_in)
         with lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in)
         lifter.check_outside_unchanged()
-        bumped = tuple(k for k, (t, (v, _)) in enumerate(zip(carry_in + x_in, before)) if t._version != v)
-        mutated = tuple(k for k, (t, (v, h)) in enumerate(zip(carry_in + x_in, before))
-                        if k in bumped or graph_hash([t]) != h)
+        mutated = tuple(k for k, c in enumerate(identity.changed(carry_in + x_in)) if c)
+        bumped = tuple(k for k, w in enumerate(identity.written(carry_in + x_in)) if w)
+        del identity
         _check_no_y_aliases_written_carry(ys, carry_in, bumped)
     else:
         outside_ph = [_placeholder(*s) for s in outside]
@@ -133,7 +133,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
             carry_out, ys = step(carry_in, x_in, outside_in)
         mutated = ()
     carry_out, ys = list(carry_out), list(ys)
-    fingerprint = lifter.fingerprint(carry_out + ys) if lifting else ()
+    fingerprint = lifter.fingerprint() if lifting else ()
     return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
                    lifter.held)
 
