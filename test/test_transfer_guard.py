@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import sys
 import threading
 import time
 import warnings
@@ -16,6 +15,9 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 
 import torch_xla_ext as txe
+from torch_xla_ext._transfer import attribution as _attribution
+from torch_xla_ext._transfer import calls as _calls
+from torch_xla_ext._transfer import metrics as _metrics
 from torch_xla_ext.testing import measure_transfers
 
 
@@ -239,7 +241,6 @@ def test_pytest_marker_fails_transferring_tests(pytester):
 # subtracts only what it saw other threads move through explicit calls.
 # --------------------------------------------------------------------------- #
 
-_tg = sys.modules["torch_xla_ext.transfer_guard"]
 
 
 @pytest.fixture
@@ -407,13 +408,13 @@ def test_transfer_from_this_threads_backward_is_blamed(device):
 def test_explicit_reads_are_recorded_with_or_without_a_guard(sharded, worker):
     # A call that ends between two guards may still own a sample that another
     # thread's overlapping call could be taken for, so every read is recorded.
-    before = list(_tg._calls)
+    before = list(_calls._calls)
     worker.submit(sharded.cpu).result()
     worker.submit(lambda: sharded.to(torch.float16)).result()  # device-side cast: no transfer
     worker.submit(lambda: torch.ones(3).cpu()).result()  # host tensor: no transfer
-    new = [c for c in _tg._calls if c not in before]
+    new = [c for c in _calls._calls if c not in before]
     assert [(c.thread_name.startswith("xla-worker"), c.op) for c in new] == [(True, "Tensor.cpu()")]
-    assert new[0].start_ns < new[0].end_ns and _tg._calls.maxlen == _tg._MAX_CALLS
+    assert new[0].start_ns < new[0].end_ns and _calls._calls.maxlen == _calls.MAX_CALLS
 
 
 def test_wrapped_torch_methods_behave_like_torch(sharded, worker):
@@ -458,11 +459,11 @@ def test_certainly_matched_agrees_with_brute_force():
         for _ in range(rng.randint(1, 6)):
             lo = rng.randint(0, 20)
             intervals.append((lo, lo + rng.randint(0, 8)))
-        assert _tg._certainly_matched(points, intervals) == _brute_force_certain(points, intervals)
+        assert _attribution.certainly_matched(points, intervals) == _brute_force_certain(points, intervals)
 
 
 def _call(start: int, end: int) -> object:
-    return _tg._Call(thread=-1, thread_name="other", op="Tensor.cpu()", start_ns=start, end_ns=end)
+    return _calls.Call(thread=-1, thread_name="other", op="Tensor.cpu()", start_ns=start, end_ns=end)
 
 
 def test_a_call_explains_one_sample_not_two():
@@ -470,43 +471,43 @@ def test_a_call_explains_one_sample_not_two():
     # own, and one made at the same moment inside C++ by the guarded thread):
     # either could be the call's, so neither is certainly the other thread's.
     us = 1000
-    samples = _tg._Samples(count=2, times_ns=(1200 * us, 1800 * us), values=(64.0, 128.0))
-    result = _tg._unexplained(samples, [0, 1], [_call(1000 * us, 2000 * us)], running=[])
+    samples = _metrics.Samples(count=2, times_ns=(1200 * us, 1800 * us), values=(64.0, 128.0))
+    result = _attribution.unexplained(samples, [0, 1], [_call(1000 * us, 2000 * us)], running=[])
     assert (result.count, result.total, result.value) == (2, 2, 64.0 + 128.0)
     # The same with the second sample outside the block's window: the one inside
     # may still be the guarded thread's (the call's own may be the later one).
-    assert _tg._unexplained(samples, [0], [_call(1000 * us, 2000 * us)], running=[]).count == 1
+    assert _attribution.unexplained(samples, [0], [_call(1000 * us, 2000 * us)], running=[]).count == 1
     # One sample per call: both explained.
     calls = [_call(1000 * us, 1500 * us), _call(1500 * us + 10 * us, 2000 * us)]
-    assert _tg._unexplained(samples, [0, 1], calls, running=[]).count == 0
+    assert _attribution.unexplained(samples, [0, 1], calls, running=[]).count == 0
     # A sample outside every call's span is unexplained.
-    assert _tg._unexplained(samples, [0, 1], calls[:1], running=[]).count == 1
+    assert _attribution.unexplained(samples, [0, 1], calls[:1], running=[]).count == 1
 
 
 def test_a_running_call_explains_nothing():
     # A call still running may make its transfer later, so it cannot claim a
     # sample of the block.
     us = 1000
-    samples = _tg._Samples(count=3, times_ns=(1200 * us, 1800 * us), values=(64.0, 128.0))
-    result = _tg._unexplained(samples, [1, 2], [], running=[1000 * us])
+    samples = _metrics.Samples(count=3, times_ns=(1200 * us, 1800 * us), values=(64.0, 128.0))
+    result = _attribution.unexplained(samples, [1, 2], [], running=[1000 * us])
     assert (result.count, result.value) == (2, 64.0 + 128.0)
     # Sample 0 has left the buffer. A call that started before the oldest kept
     # sample may own the dropped one, so it is not certain to own sample 1 ...
-    result = _tg._unexplained(samples, [0, 1], [_call(1100 * us, 1300 * us)], running=[])
+    result = _attribution.unexplained(samples, [0, 1], [_call(1100 * us, 1300 * us)], running=[])
     assert (result.count, result.evicted) == (2, 1)
     # ... while a call that started after it does own the one sample it spans.
-    assert _tg._unexplained(samples, [2], [_call(1700 * us, 1900 * us)], running=[]).count == 0
+    assert _attribution.unexplained(samples, [2], [_call(1700 * us, 1900 * us)], running=[]).count == 0
 
 
 def test_unexplained_agrees_with_brute_force_matching():
-    # _unexplained keeps only the calls chained to the block's samples; the
+    # unexplained() keeps only the calls chained to the block's samples; the
     # answer must be the one the whole matching problem gives.
     rng = random.Random(11)
-    slack, never = _tg._SLACK_NS, _tg._NEVER
+    slack, never = _attribution.SLACK_NS, _attribution.NEVER
     for _ in range(300):
         first = rng.choice([0, 0, 2])
         times = tuple(sorted(rng.randint(0, 100_000) for _ in range(rng.randint(1, 8))))
-        samples = _tg._Samples(count=first + len(times), times_ns=times, values=tuple(1.0 for _ in times))
+        samples = _metrics.Samples(count=first + len(times), times_ns=times, values=tuple(1.0 for _ in times))
         calls = []
         for _ in range(rng.randint(0, 6)):
             start = rng.randint(-10_000, 100_000)
@@ -520,4 +521,4 @@ def test_unexplained_agrees_with_brute_force_matching():
         certain = _brute_force_certain([t for t, _ in points], intervals)
         explained = {i for (_, i), flag in zip(points, certain) if flag and i >= 0}
         expected = sum(1 for index in window if index < first or index - first not in explained)
-        assert _tg._unexplained(samples, window, calls, running).count == expected
+        assert _attribution.unexplained(samples, window, calls, running).count == expected
