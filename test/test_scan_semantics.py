@@ -329,3 +329,21 @@ def test_scan_layers_refuses_a_forward_that_writes_into_a_parameter(device):
         txe.scan_layers(layers, torch.ones(2, 4, device=device))
     for layer in layers:
         torch.testing.assert_close(layer.w.detach().cpu(), torch.ones(4))
+
+
+def test_the_scan_fsdp_contract_is_read_by_name_and_scoped_to_the_trace(device):
+    from torch_xla_ext._annotate import ANNOTATE_OP, in_scan_autograd_trace, regather_mark, scan_autograd_trace
+
+    class Node:  # the two fields of an FX node the contract reads
+        def __init__(self, target, args, kwargs):
+            self.target, self.args, self.kwargs = target, args, kwargs
+
+    assert regather_mark(Node(ANNOTATE_OP, ("t", "mesh", "spec", True), {})) is True
+    assert regather_mark(Node(ANNOTATE_OP, ("t", "mesh", "spec"), {"recompute_in_backward": False})) is False
+    assert regather_mark(Node(torch.ops.aten.add.Tensor, ("a", "b"), {})) is None
+    assert not in_scan_autograd_trace()
+    with scan_autograd_trace():
+        with scan_autograd_trace():
+            assert in_scan_autograd_trace()
+        assert in_scan_autograd_trace()
+    assert not in_scan_autograd_trace()

@@ -12,11 +12,18 @@ instead of stacking the result across iterations (FSDP's reshard after forward).
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["annotate_sharding", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP"]
+from ._xla import xlac
+
+__all__ = ["annotate_sharding", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP",
+           "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace"]
 
 _REPLICATED = ("", "{replicated}")
 
@@ -58,11 +65,9 @@ def _op_sharding(mesh: str, spec: str):
 
 
 def _annotated(t: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
-    import torch_xla
-
     out = fresh_node(t)  # t may already carry its own sharding annotation
     if t.device.type == "xla":
-        torch_xla._XLAC._xla_mark_sharding(out, _op_sharding(mesh, spec))
+        xlac()._xla_mark_sharding(out, _op_sharding(mesh, spec))
     return out
 
 
@@ -77,6 +82,50 @@ def _annotate_sharding_fake(t: torch.Tensor, mesh: str, spec: str, recompute_in_
 
 
 ANNOTATE_OP = torch.ops.txe.annotate_sharding.default
+
+
+# --------------------------------------------------------------------------- #
+# The contract between scan and fully_shard, in both directions.
+# --------------------------------------------------------------------------- #
+
+_ANNOTATE_ARGS = [a.name for a in ANNOTATE_OP._schema.arguments]
+
+
+def regather_mark(node: Any) -> bool | None:
+    """For a node of an FX graph: None if it is not a sharding annotation, else its ``recompute_in_backward``.
+
+    fully_shard marks the gathers of its parameters; scan's backward
+    recomputes a marked gather from the sharded input it was applied to
+    instead of stacking the gathered value across iterations.
+    """
+    if getattr(node, "target", None) is not ANNOTATE_OP:
+        return None
+    bound = dict(zip(_ANNOTATE_ARGS, node.args))
+    bound.update(node.kwargs)
+    return bool(bound["recompute_in_backward"])
+
+
+_scan_trace = threading.local()
+
+
+@contextlib.contextmanager
+def scan_autograd_trace() -> Iterator[None]:
+    """Entered by scan while AOTAutograd traces a step (in this thread)."""
+    depth = getattr(_scan_trace, "depth", 0)
+    _scan_trace.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scan_trace.depth = depth
+
+
+def in_scan_autograd_trace() -> bool:
+    """Whether this thread runs inside scan's AOTAutograd trace of a step.
+
+    There the partitioner decides what the forward saves for the backward, so
+    fully_shard leaves its saved-tensor hooks off.
+    """
+    return getattr(_scan_trace, "depth", 0) > 0
 
 
 _mesh_texts: dict[int, tuple[object, str]] = {}

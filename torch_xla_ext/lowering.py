@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from ._annotate import is_replicated_spec
+from ._xla import xlac
 from .hlo import HloModule, HloParameter, read_hlo
 
 __all__ = ["LoweringContext", "DEVICE_MAPPING_ENV"]
@@ -40,9 +41,7 @@ _MAPPING_IMPLS = ("auto", "native", "fallback")
 
 
 def _xlac():
-    import torch_xla
-
-    return torch_xla._XLAC
+    return xlac()
 
 
 def _has_native_device_mapping() -> bool:

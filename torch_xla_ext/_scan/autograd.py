@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._annotate import behind_barrier
+from .._annotate import behind_barrier, regather_mark, scan_autograd_trace
 from .._xla import torch_xla_device
 from .lift import Lifter
 from .loop import _Loop, _lower, _run
@@ -93,15 +93,14 @@ def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
     (FSDP's gather). A transposed weight that a matmul saved is such a chain:
     reading the weight slice again is free, stacking it would copy every layer.
     """
-    from .._annotate import ANNOTATE_OP
-
     ops = []
     marked = False
     base = node
     while base not in placeholders:
         target = getattr(base, "target", None)
-        if target is ANNOTATE_OP:
-            if not base.args[3]:
+        mark = regather_mark(base)
+        if mark is not None:
+            if not mark:
                 return None
             marked = True
         elif target not in _PASSTHROUGH:
@@ -174,7 +173,7 @@ class _GradPlan:
         args = [example(s, d, _is_float_dtype(d)) for s, d in carry]
         args += [example(s, d, g and _is_float_dtype(d)) for (s, d), g in zip(x, x_grad)]
         args += [example(t.shape, t.dtype, t.requires_grad) for t in outside]
-        with torch.enable_grad():
+        with torch.enable_grad(), scan_autograd_trace():
             compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
                                     partition_fn=partition_fn or default_partition, enable_log=False)
             outs = compiled(*args)

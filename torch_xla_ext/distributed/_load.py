@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import _traversal
+from .._xla import torch_xla_device, xlac
 from ._param import applied_spec, move_to
 from ._state import FSDPState, holder_record
 
@@ -80,10 +81,8 @@ def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.device.type == "xla":
-        import torch_xla
-
         try:  # the same device buffer (state_dict() of a tied model gives that)
-            ha, hb = torch_xla._XLAC._get_tensors_handle([a, b])
+            ha, hb = xlac()._get_tensors_handle([a, b])
         except RuntimeError:  # a pending computation: unknown without running it
             return False
         return ha == hb
@@ -203,9 +202,7 @@ def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     for state, per_state in replaced.values():
         state.adopt(per_state)
     if session.replicas:
-        import torch_xla
-
         for holder, name in session.replicas:  # assign=True put host tensors there
             p = holder._parameters.get(name)
             if p is not None and p.device.type == "cpu":
-                move_to(p, torch_xla.device())
+                move_to(p, torch_xla_device())

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ._weak import WeakIdMap
 
 from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replicated_spec
+from .._xla import torch_xla_device, xla_builder, xlac
 
 __all__ = [
     "Gather",
@@ -107,23 +108,18 @@ def spec_for(param: torch.Tensor, dim: int | None, axis: str | int) -> tuple:
 
 def spec_string(mesh: Any, spec: tuple, param: torch.Tensor) -> str:
     """What ``mark_sharding(param, mesh, spec)`` would record, computed on a stand-in."""
-    import torch_xla
-    import torch_xla.core.xla_builder as xb
-
     if all(s is None for s in spec):
         return ""
-    standin = fresh_node(xb.create_placeholder_tensor(tuple(param.shape), param.dtype))
-    torch_xla._XLAC._xla_mark_sharding(standin, mesh.get_op_sharding(spec))
-    return torch_xla._XLAC._get_xla_sharding_spec(standin)
+    standin = fresh_node(xla_builder().create_placeholder_tensor(tuple(param.shape), param.dtype))
+    xlac()._xla_mark_sharding(standin, mesh.get_op_sharding(spec))
+    return xlac()._get_xla_sharding_spec(standin)
 
 
 def current_spec(t: torch.Tensor) -> str:
     """The sharding string ``t`` carries now ('' for host tensors and replicated ones)."""
-    import torch_xla
-
     if t.device.type != "xla":
         return ""
-    spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+    spec = xlac()._get_xla_sharding_spec(t)
     return "" if is_replicated_spec(spec) else spec
 
 
@@ -185,11 +181,10 @@ def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
     device only); an XLA tensor whose sharding differs is resharded on the
     device. Nothing moves from the device to the host.
     """
-    import torch_xla
     import torch_xla.distributed.spmd as xs
 
     if p.device.type != "xla":
-        move_to(p, torch_xla.device())
+        move_to(p, torch_xla_device())
         if any(s is not None for s in spec):
             xs.mark_sharding(p, mesh, spec)
     elif current_spec(p) != target_text:

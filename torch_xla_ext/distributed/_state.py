@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, shard_activation
+from .._annotate import annotate_sharding, in_scan_autograd_trace, shard_activation
 from ._param import Gather, Regather, axis_size, place, spec_string
 
 __all__ = [
@@ -188,7 +188,8 @@ class FSDPState:
                     gathered[id(current)] = value
                 holder._parameters[slot.name] = value[0]
                 swapped.append((holder, slot.name, current))
-            if self.reshard_after_forward and gathered and torch.is_grad_enabled() and not _tracing(swapped):
+            traced = in_scan_autograd_trace() or _on_fake_tensors(swapped)
+            if self.reshard_after_forward and gathered and torch.is_grad_enabled() and not traced:
                 packed = {id(full): (full, regather) for full, regather in gathered.values()}
 
                 def pack(t: torch.Tensor) -> Any:
@@ -220,8 +221,12 @@ class FSDPState:
         return shard_activation(t, self.mesh, spec) if t.requires_grad else annotate_sharding(t, self.mesh, spec)
 
 
-def _tracing(swapped: list[tuple[nn.Module, str, Any]]) -> bool:
-    """True while AOTAutograd traces the forward (inside scan): its partitioner decides what is saved."""
+def _on_fake_tensors(swapped: list[tuple[nn.Module, str, Any]]) -> bool:
+    """True while a tracer other than scan (torch.compile) runs the forward on fake tensors.
+
+    Inside scan, :func:`~torch_xla_ext._annotate.in_scan_autograd_trace` says
+    so; saved-tensor hooks cannot pack fake values under any tracer.
+    """
     from torch._subclasses.fake_tensor import is_fake
 
     return any(isinstance(current, torch.Tensor) and is_fake(current) for _, _, current in swapped)
