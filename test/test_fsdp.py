@@ -19,10 +19,10 @@ from torch_xla_ext.distributed import (
     get_fully_sharded_modules,
     replicate,
 )
-from torch_xla_ext.testing import measure_transfers
+from torch_xla_ext._xla import xlac
+from torch_xla_ext.testing import measure_transfers, models
 from torch_xla_ext.testing.tolerances import tolerance
 
-X = torch_xla._XLAC
 FSDP8 = "{devices=[8,1]0,1,2,3,4,5,6,7}"
 FSDP8_1D = "{devices=[8]0,1,2,3,4,5,6,7}"
 EXACT = {"atol": 0.0, "rtol": 0.0}  # values copied or moved, never computed
@@ -44,39 +44,12 @@ def seeded():
 
 
 def spec(t: torch.Tensor) -> str:
-    return X._get_xla_sharding_spec(t)
+    return xlac()._get_xla_sharding_spec(t)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Decoder(nn.Module):
-    """A tiny decoder whose embedding is tied to the LM head."""
-
-    def __init__(self, vocab: int = VOCAB, d: int = WIDTH, layers: int = LAYERS, use_scan: bool = True) -> None:
-        super().__init__()
-        self.use_scan = use_scan
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        if self.use_scan:
-            h = txe.scan_layers(self.layers, h)
-        else:
-            for layer in self.layers:
-                h = layer(h)
-        return self.head(h)
+def tiny_decoder(vocab: int = VOCAB, d: int = WIDTH, layers: int = LAYERS, use_scan: bool = True) -> models.Decoder:
+    """The tiny decoder: tied embedding and LM head, ReLU MLP blocks of hidden size 2 * d, no final norm."""
+    return models.Decoder(vocab, d, layers, lambda: models.MLPBlock(d, 2 * d, torch.relu), use_scan=use_scan)
 
 
 @pytest.fixture
@@ -84,7 +57,7 @@ def mesh(num_devices):
     return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
 
 
-def shard_decoder(model: Decoder, mesh, **kw) -> Decoder:
+def shard_decoder(model: models.Decoder, mesh, **kw) -> models.Decoder:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
@@ -106,7 +79,7 @@ def loss_fn(model, tokens, targets):
     return nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
 
-def train_like_eager(model: Decoder, reference: Decoder, device, mesh) -> None:
+def train_like_eager(model: models.Decoder, reference: models.Decoder, device, mesh) -> None:
     """STEPS of SGD on the sharded model and on an unsharded eager CPU reference; they must agree.
 
     Each sharded step moves nothing to the host, and every parameter and
@@ -139,7 +112,7 @@ def train_like_eager(model: Decoder, reference: Decoder, device, mesh) -> None:
 
 @pytest.mark.parametrize("use_scan", [True, False], ids=["scan_layers", "loop"])
 def test_tiny_decoder_trains_like_unsharded_eager(device, mesh, use_scan):
-    reference = Decoder(use_scan=False)
+    reference = tiny_decoder(use_scan=False)
     model = copy.deepcopy(reference)
     model.use_scan = use_scan
     shard_decoder(model, mesh)
@@ -149,21 +122,21 @@ def test_tiny_decoder_trains_like_unsharded_eager(device, mesh, use_scan):
 
 def test_class_swap_keeps_module_identity_and_state_dict_keys(mesh):
     torch.manual_seed(0)
-    reference = Decoder()
+    reference = tiny_decoder()
     model = shard_decoder(copy.deepcopy(reference), mesh)
-    assert isinstance(model, Decoder) and isinstance(model, FSDPModule)
+    assert isinstance(model, models.Decoder) and isinstance(model, FSDPModule)
     assert type(model).__name__ == "FSDPDecoder"
-    assert isinstance(model.layers[0], Block) and isinstance(model.layers[0], FSDPModule)
+    assert isinstance(model.layers[0], models.MLPBlock) and isinstance(model.layers[0], FSDPModule)
     assert list(model.state_dict()) == list(reference.state_dict())
     for (key, value), ref in zip(model.state_dict().items(), reference.state_dict().values()):
         assert value.device.type == "xla"
         torch.testing.assert_close(value.cpu(), ref, **EXACT, msg=key)  # the unsharded values
 
 
-def trained_state(mesh) -> tuple[Decoder, dict[str, torch.Tensor]]:
+def trained_state(mesh) -> tuple[models.Decoder, dict[str, torch.Tensor]]:
     """A sharded decoder whose parameters were updated on the device, and its state on the host."""
     torch.manual_seed(2)
-    trained = shard_decoder(Decoder(use_scan=False), mesh)
+    trained = shard_decoder(tiny_decoder(use_scan=False), mesh)
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01)
@@ -171,7 +144,7 @@ def trained_state(mesh) -> tuple[Decoder, dict[str, torch.Tensor]]:
     return trained, {k: v.cpu() for k, v in trained.state_dict().items()}
 
 
-def state_dict_from(source: str, trained: Decoder, saved: dict, device, mesh) -> dict[str, torch.Tensor]:
+def state_dict_from(source: str, trained: models.Decoder, saved: dict, device, mesh) -> dict[str, torch.Tensor]:
     """The same values held as: host tensors; the trained model's own XLA state dict (sharded like
     the target); XLA tensors left unsharded; XLA tensors sharded on another dimension where one divides.
     Tied keys share one tensor, as in a state_dict() of a tied model."""
@@ -206,7 +179,7 @@ def test_load_state_dict_keeps_sharding_ties_and_bookkeeping(device, mesh, sourc
     trained, saved = trained_state(mesh)
     state_dict = state_dict_from(source, trained, saved, device, mesh)
     torch.manual_seed(1)
-    fresh = shard_decoder(Decoder(use_scan=False), mesh)
+    fresh = shard_decoder(tiny_decoder(use_scan=False), mesh)
     torch_xla.sync()
     before = dict(fresh.named_parameters())
     shardings = {n: spec(p) for n, p in before.items()}
@@ -234,9 +207,9 @@ def test_training_after_load_with_assign_updates_the_loaded_parameters(device, m
     trained, saved = trained_state(mesh)
     state_dict = state_dict_from(source, trained, saved, device, mesh)
     torch.manual_seed(1)
-    model = shard_decoder(Decoder(use_scan=False), mesh)
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh)
     model.load_state_dict(state_dict, assign=True)
-    reference = Decoder(use_scan=False)
+    reference = tiny_decoder(use_scan=False)
     reference.load_state_dict(saved)
     train_like_eager(model, reference, device, mesh)
 
@@ -244,7 +217,7 @@ def test_training_after_load_with_assign_updates_the_loaded_parameters(device, m
 def test_load_state_dict_assign_refuses_what_it_cannot_keep_sharded_before_changing_anything(device, mesh):
     _, saved = trained_state(mesh)
     torch.manual_seed(1)
-    fresh = shard_decoder(Decoder(use_scan=False), mesh)
+    fresh = shard_decoder(tiny_decoder(use_scan=False), mesh)
     torch_xla.sync()
     params = dict(fresh.named_parameters())
     values = {n: p.cpu() for n, p in params.items()}
@@ -345,7 +318,7 @@ def test_load_state_dict_with_swapping_parameters_is_refused(mesh):
 
 
 def test_each_parameter_is_managed_by_exactly_one_state(mesh):
-    model = shard_decoder(Decoder(), mesh)
+    model = shard_decoder(tiny_decoder(), mesh)
     owners: dict[int, list[str]] = {}
     for m in get_fully_sharded_modules(model):
         for _, p in m.managed_named_parameters():
@@ -460,7 +433,7 @@ def _step_hlo_opcodes(model, device, mesh) -> list[str]:
 @pytest.mark.parametrize("reshard", [True, False])
 def test_reshard_after_forward_puts_an_optimization_barrier_before_the_backward_gather(
         device, mesh, reshard, use_scan):
-    model = shard_decoder(Decoder(use_scan=use_scan), mesh, reshard_after_forward=reshard)
+    model = shard_decoder(tiny_decoder(use_scan=use_scan), mesh, reshard_after_forward=reshard)
     ops = _step_hlo_opcodes(model, device, mesh)
     barriers = ops.count("opt-barrier")
     if reshard:
@@ -473,7 +446,7 @@ def test_reshard_after_forward_in_scan_does_not_stack_gathered_weights(device, m
     """The forward loop of scan_layers stacks per-layer activations but not the gathered weights."""
     def loop_state_elements(reshard: bool) -> int:
         torch.manual_seed(0)
-        model = shard_decoder(Decoder(use_scan=True), mesh, reshard_after_forward=reshard)
+        model = shard_decoder(tiny_decoder(use_scan=True), mesh, reshard_after_forward=reshard)
         (_, _), (tx, gx) = batch(device, mesh)
         loss = loss_fn(model, tx, gx)
         ctx = txe.LoweringContext("forward")
@@ -490,7 +463,7 @@ def test_reshard_after_forward_in_scan_does_not_stack_gathered_weights(device, m
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["reduce_f32", "reduce_in_compute_dtype"])
 def test_mixed_precision(device, mesh, reduce_dtype):
-    model = shard_decoder(Decoder(use_scan=False), mesh, mp_policy=MixedPrecisionPolicy(
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh, mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, output_dtype=torch.float32))
     (_, _), (tx, gx) = batch(device, mesh)
     logits = model(tx)
@@ -583,7 +556,7 @@ def test_fully_shard_on_a_3000_deep_module_chain(mesh):
 
 
 def test_fully_sharded_module_outputs_stay_batch_sharded(device, mesh):
-    model = shard_decoder(Decoder(use_scan=False), mesh)
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh)
     (_, _), (tx, _) = batch(device, mesh)
     h = model.embed(tx)
     out = model.layers[0](h)
@@ -607,9 +580,9 @@ def test_each_fully_shard_call_walks_the_module_tree_once(mesh, monkeypatch):
         fully_shard(m, mesh=mesh)
         return len(builds)
 
-    model = Decoder(layers=8)
+    model = tiny_decoder(layers=8)
     assert [walks(layer) for layer in model.layers] + [walks(model)] == [1] * 9  # bottom-up
-    top_down = Decoder(layers=8)
+    top_down = tiny_decoder(layers=8)
     assert walks(top_down) == 1
     assert [walks(layer) for layer in top_down.layers] == [2] * 8  # the layer's tree and the root's
     assert_bookkeeping(model)
@@ -643,7 +616,7 @@ def test_no_registry_grows_with_modules_created_and_dropped(mesh):
 
 
 def test_deepcopy_of_a_fully_sharded_model_is_fully_sharded(device, mesh):
-    model = shard_decoder(Decoder(use_scan=False), mesh)
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh)
     copied = copy.deepcopy(model)
     assert type(copied) is type(model) and copied.embed.weight is copied.head.weight
     assert get_fully_sharded_modules(copied) == [copied] + list(copied.layers)
