@@ -30,6 +30,19 @@
 //   (deeply nested loops sharing callees, which XLA does not emit) raises
 //   ParseError naming the while instruction.
 //
+// The reader's files, each readable top to bottom:
+//   hlo_reader.h      this contract and the public records
+//   hlo_fields.h      field numbers of the decoded messages, named
+//   budget.h          the field path of error messages and the memory budget
+//   wire.h            the wire-format cursor and field readers
+//   hlo_decode.cc     message decoders, ParseModule, ParseSharding
+//   sharding_text.cc  XLA's sharding normalization and printer
+//   iota.h/.cc        iota device lists
+//   backend_config.cc known_trip_count of while loops
+//   hlo_analyses.cc   lookups, while-body counts, collectives, host transfers
+//   hlo_types.cc      primitive types, shapes, sharding type names
+//   module.cc         the pybind11 module torch_xla_ext._C
+//
 // Field numbers follow xla/service/hlo.proto and xla/xla_data.proto.
 
 #ifndef TORCH_XLA_EXT_HLO_READER_H_
@@ -109,6 +122,8 @@ enum PrimitiveType : int32_t {
   kF8E8M0FNU = 33,
   kBuffer = 34,
 };
+// The largest PrimitiveType value this reader knows.
+inline constexpr int32_t kMaxPrimitiveType = kBuffer;
 
 // XLA's lowercase name of a primitive type ("f32", "bf16", "pred", "tuple",
 // "token", "opaque", ...); "invalid" for values this reader does not know.
@@ -146,10 +161,13 @@ enum ShardingType : int32_t {
   kShardingUnknown = 5,
   kShardingUnreduced = 6,
 };
+inline constexpr int32_t kMaxShardingType = kShardingUnreduced;
 
 // Name of an OpSharding.Type in lowercase ("replicated", "maximal", "tuple",
 // "other", "manual", "unknown", "unreduced"); "type_<N>" for other values.
 std::string ShardingTypeName(int32_t type);
+// The inverse of ShardingTypeName; nullopt for a name it never returns.
+std::optional<int32_t> ShardingTypeFromName(std::string_view name);
 
 // The decoded fields of one xla.OpSharding (metadata is skipped).
 struct OpSharding {
