@@ -4,7 +4,8 @@
 One process, 8 virtual CPU devices, SPMD. For each number of layers L the
 same decoder (token embedding tied to the LM head, L pre-norm attention + MLP
 blocks, final LayerNorm) is trained from the same initial weights (deep copies
-of one CPU model) on the same batches (sharded over 'fsdp') three ways:
+of one CPU model; ``torch_xla_ext.testing.models``) on the same batches
+(sharded over 'fsdp') three ways:
 
   ours+scan  torch_xla_ext.distributed.fully_shard on every block, then on the
              root; the blocks run through torch_xla_ext.scan_layers
@@ -82,8 +83,10 @@ import torch_xla_ext as txe  # noqa: E402
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
     SpmdFullyShardedDataParallel as FSDPv2,
 )
+from torch_xla_ext._xla import xlac  # noqa: E402
 from torch_xla_ext.distributed import fully_shard, get_fully_sharded_modules  # noqa: E402
 from torch_xla_ext.testing import measure_transfers  # noqa: E402
+from torch_xla_ext.testing.models import CausalBlock, Decoder  # noqa: E402
 
 NUM_DEVICES = 8
 METHODS = ("ours+scan", "ours+loop", "fsdpv2")
@@ -99,6 +102,8 @@ STEP_TARGET = 1.05  # ours' steady step time <= 1.05x FSDPv2's
 
 @dataclass(frozen=True)
 class Config:
+    """Sizes of the decoder and of a batch."""
+
     vocab: int = 256
     dim: int = 128
     heads: int = 4
@@ -107,58 +112,10 @@ class Config:
     mlp: int = 4  # MLP hidden size = mlp * dim
 
 
-class Block(nn.Module):
-    """Pre-norm decoder block: causal self-attention, then an MLP, each residual."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.heads = cfg.heads
-        self.attn_norm = nn.LayerNorm(cfg.dim)
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.out = nn.Linear(cfg.dim, cfg.dim)
-        self.mlp_norm = nn.LayerNorm(cfg.dim)
-        self.up = nn.Linear(cfg.dim, cfg.mlp * cfg.dim)
-        self.down = nn.Linear(cfg.mlp * cfg.dim, cfg.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        hd = d // self.heads
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, hd).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-        # Additive causal bias (-inf strictly above the diagonal).
-        bias = torch.full((s, s), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
-        attn = torch.softmax(scores + bias, dim=-1) @ v
-        x = x + self.out(attn.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
-
-
-def dim_scale(dim: int) -> float:
-    """Init std of the tied embedding: logits of order 1 through the tied head."""
-    return dim ** -0.5
-
-
-class Decoder(nn.Module):
-    """Token embedding tied to the LM head; ``mode`` picks scan_layers or a loop."""
-
-    def __init__(self, cfg: Config, layers: int) -> None:
-        super().__init__()
-        self.mode = "loop"
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(layers))
-        self.norm = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        self.head.weight = self.embed.weight
-        nn.init.normal_(self.embed.weight, std=dim_scale(cfg.dim))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        if self.mode == "scan":
-            h = txe.scan_layers(self.layers, h)
-        else:
-            for layer in self.layers:
-                h = layer(h)
-        return self.head(self.norm(h))
+def make_decoder(cfg: Config, layers: int) -> Decoder:
+    """The benchmarked model on the host: CausalBlocks, a final LayerNorm, tied embedding init std dim**-0.5."""
+    return Decoder(cfg.vocab, cfg.dim, layers, lambda: CausalBlock(cfg.dim, cfg.heads, cfg.mlp),
+                   final_norm=True, embed_std=cfg.dim ** -0.5)
 
 
 def unique_params(model: nn.Module) -> list[nn.Parameter]:
@@ -172,7 +129,7 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
 
 def make_ours(cpu_model: Decoder, mesh: xs.Mesh, mode: str) -> nn.Module:
     model = copy.deepcopy(cpu_model)
-    model.mode = mode
+    model.use_scan = mode == "scan"
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -183,7 +140,7 @@ def make_ours(cpu_model: Decoder, mesh: xs.Mesh, mode: str) -> nn.Module:
 
 def make_fsdpv2(cpu_model: Decoder, mesh: xs.Mesh) -> nn.Module:
     model = copy.deepcopy(cpu_model)
-    model.mode = "loop"
+    model.use_scan = False
     # nn.Module.to() gives each registration of a tied parameter its own copy
     # when moving CPU -> XLA, so move first and tie again before wrapping.
     model.to(torch_xla.device())
@@ -235,7 +192,7 @@ def per_device_bytes(shape: tuple[int, ...], itemsize: int, spec: str | None) ->
 
 
 def spec_of(t: torch.Tensor) -> str:
-    return torch_xla._XLAC._get_xla_sharding_spec(t)
+    return xlac()._get_xla_sharding_spec(t)
 
 
 def divides(p: torch.Tensor) -> bool:
@@ -408,7 +365,7 @@ def make_batches(cfg: Config, n: int, mesh: xs.Mesh) -> list[tuple[torch.Tensor,
 
 def bench_layers(cfg: Config, layers: int, steps: int, mesh: xs.Mesh, methods: tuple[str, ...]) -> list[Run]:
     torch.manual_seed(0)
-    cpu_model = Decoder(cfg, layers)
+    cpu_model = make_decoder(cfg, layers)
     batches = make_batches(cfg, steps, mesh)
     builders: dict[str, Callable[[], nn.Module]] = {
         "ours+scan": lambda: make_ours(cpu_model, mesh, "scan"),

@@ -62,7 +62,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
@@ -83,6 +82,8 @@ METHODS = ("unrolled", "ours", "torch_xla", "jax")
 
 @dataclass(frozen=True)
 class Config:
+    """Sizes of torch_xla_ext.testing.models.CausalBlock and of the batch."""
+
     dim: int = 128
     heads: int = 4
     seq: int = 64
@@ -90,40 +91,12 @@ class Config:
     mlp: int = 4  # hidden = mlp * dim
 
 
-class DecoderBlock(nn.Module):
-    """Pre-norm block: x + attn(ln1(x)) (causal), then x + mlp(ln2(x))."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        d = cfg.dim
-        self.heads = cfg.heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.mlp * d)
-        self.fc2 = nn.Linear(cfg.mlp * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        h, hd = self.heads, d // self.heads
-        qkv = self.qkv(self.ln1(x)).reshape(b, s, 3, h, hd).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        att = torch.matmul(q, k.transpose(-2, -1)) * (hd ** -0.5)
-        # Causal mask as an additive float bias: nothing but att flows into
-        # the softmax's backward, so no boolean activation is saved.
-        pos = torch.arange(s, device=x.device)
-        bias = torch.zeros(s, s, device=x.device).masked_fill(pos[:, None] < pos[None, :], float("-inf"))
-        att = (att + bias).softmax(dim=-1)
-        o = torch.matmul(att, v).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(o)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 def build(cfg: Config, num_layers: int, seed: int = 0):
-    """Host blocks, a host input, and numpy copies of the weights (for JAX)."""
+    """Host blocks (torch_xla_ext.testing.models.CausalBlock), a host input, and numpy copies of the weights (for JAX)."""
+    from torch_xla_ext.testing.models import CausalBlock  # imported late: main() reports a missing package
+
     torch.manual_seed(seed)
-    cpu_layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(num_layers))
+    cpu_layers = nn.ModuleList(CausalBlock(cfg.dim, cfg.heads, cfg.mlp) for _ in range(num_layers))
     x_cpu = torch.randn(cfg.batch, cfg.seq, cfg.dim)
     host = [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in cpu_layers]
     return cpu_layers, x_cpu, host
@@ -282,7 +255,7 @@ def jax_setup(cfg: Config):
     def block(p, x):
         b, s, d = x.shape
         h, hd = cfg.heads, d // cfg.heads
-        qkv = linear(layer_norm(x, p["ln1.weight"], p["ln1.bias"]), p, "qkv")
+        qkv = linear(layer_norm(x, p["attn_norm.weight"], p["attn_norm.bias"]), p, "qkv")
         qkv = qkv.reshape(b, s, 3, h, hd).transpose(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         att = (q @ k.swapaxes(-1, -2)) * (hd ** -0.5)
@@ -290,8 +263,8 @@ def jax_setup(cfg: Config):
         att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
         o = (att @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
         x = x + linear(o, p, "proj")
-        hid = jax.nn.gelu(linear(layer_norm(x, p["ln2.weight"], p["ln2.bias"]), p, "fc1"), approximate=False)
-        return x + linear(hid, p, "fc2")
+        hid = jax.nn.gelu(linear(layer_norm(x, p["mlp_norm.weight"], p["mlp_norm.bias"]), p, "up"), approximate=False)
+        return x + linear(hid, p, "down")
 
     def forward(stacked, x):
         out, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, stacked)
