@@ -1,4 +1,7 @@
-"""scan: values and gradients against Python loops and jax.lax.scan, closures, RNG, SPMD, caching, errors."""
+"""scan: values and gradients against Python loops and jax.lax.scan, closures, RNG, caching, errors.
+
+scan_layers is tested in test_scan_layers.py, scan on an SPMD mesh in test_scan_spmd.py.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +15,10 @@ from functorch.compile import min_cut_rematerialization_partition
 
 import torch_xla_ext as txe
 from torch_xla_ext.scan import clear_scan_cache, scan_cache_info
-from torch_xla_ext.testing import measure_transfers
-from torch_xla_ext.testing.tolerances import tolerance
 
 from scan_reference import assert_close_derived, assert_close_trees, python_scan, to_cpu
 
 X = torch_xla._XLAC
-
-
-def spec(t: torch.Tensor) -> str:
-    return X._get_xla_sharding_spec(t)
 
 
 # --------------------------------------------------------------------------- values
@@ -112,6 +109,28 @@ def test_mutating_an_outside_tensor_is_an_error(device):
         txe.scan(fn, torch.zeros(3).to(device), torch.ones(2, 3).to(device))
 
 
+def test_bool_inputs_and_saved_bool_activations(device):
+    masks = torch.rand(3, 4) > 0.5
+    init = torch.zeros(4)
+    carry, _ = txe.scan(lambda c, m: (c.masked_fill(m, 0.0) + 1, None), init.to(device), masks.to(device))
+    ref = init
+    for m in masks:
+        ref = ref.masked_fill(m, 0.0) + 1
+    torch.testing.assert_close(carry.cpu(), ref)
+
+    w = torch.randn(4, 4).to(device).requires_grad_()
+    keep = (torch.arange(4) % 2 == 0).to(device)
+    out, _ = txe.scan(lambda h, x: ((h @ w).masked_fill(~keep, 0.0) + x, None),
+                      torch.ones(4).to(device), torch.ones(3, 4).to(device))
+    out.sum().backward()
+    w_ref = w.detach().cpu().requires_grad_()
+    h = torch.ones(4)
+    for _ in range(3):
+        h = (h @ w_ref).masked_fill(~keep.cpu(), 0.0) + 1
+    h.sum().backward()
+    assert_close_derived(w.grad, w_ref.grad, 3 * 4 * 2)
+
+
 # ------------------------------------------------------------------------ autograd
 
 
@@ -200,6 +219,23 @@ def test_no_grad_mode_builds_no_backward(device):
     assert carry_grad.requires_grad and "f32[5," in X._get_xla_tensors_hlo([carry_grad])
 
 
+def test_scan_does_not_keep_its_inputs_alive(device, mesh_1d):
+    # A tensor that is still alive at the next sync becomes one more output of
+    # the synced graph: the gradient step must not hold on to xs.
+    import weakref
+
+    w = torch.randn(8, 4).to(device).requires_grad_()
+    xs_t = w * 2
+    xs.mark_sharding(xs_t, mesh_1d, (None, "fsdp"))
+    alive = weakref.ref(xs_t)
+    carry, _ = txe.scan(cumsum_fn, torch.zeros(4, device=device), xs_t)
+    del xs_t
+    loss = carry.sum()
+    loss.backward()
+    assert alive() is None
+    torch.testing.assert_close(w.grad.cpu(), torch.full((8, 4), 2.0))
+
+
 # ----------------------------------------------------------------------------- RNG
 
 
@@ -221,73 +257,6 @@ def test_random_ops_differ_per_iteration_and_are_reproducible(device):
     assert not torch.equal(a, c)
     assert all(not torch.equal(a[i], a[j]) for i in range(5) for j in range(i))
     assert float(a.min()) >= 0.0 and float(a.max()) < 1.0
-
-
-# ---------------------------------------------------------------------------- SPMD
-
-
-def test_spmd_1d_forward_backward_without_host_transfers(device, mesh_1d):
-    L, D = 4, 64
-    ws = torch.randn(L, D, D).to(device) / D**0.5
-    xs.mark_sharding(ws, mesh_1d, (None, "fsdp", None))
-    ws.requires_grad_()
-    emb = torch.randn(D, D).to(device)
-    xs.mark_sharding(emb, mesh_1d, ("fsdp", None))
-    emb.requires_grad_()
-    h0 = torch.randn(16, D).to(device)
-    xs.mark_sharding(h0, mesh_1d, ("fsdp", None))
-    torch_xla.sync()
-
-    def layer(h, w):
-        out = torch.relu(h @ w) @ emb + h
-        return out, out.mean()
-
-    with measure_transfers() as m:
-        with txe.no_host_transfers():
-            carry, ys = txe.scan(layer, h0, ws)
-            (carry.sum() + ys.sum()).backward()
-            torch_xla.sync()
-    assert not m.device_to_host, m.report()
-    assert spec(carry) == spec(h0)
-    assert spec(ws.grad) == spec(ws) and spec(emb.grad) == spec(emb)
-    # numerics against an eager CPU loop
-    ws_c, emb_c, h_c = ws.detach().cpu().requires_grad_(), emb.detach().cpu().requires_grad_(), h0.cpu()
-    ref_carry, ref_ys = python_scan(lambda h, w: ((torch.relu(h @ w) @ emb_c + h),) * 2, h_c, ws_c)
-    (ref_carry.sum() + ref_ys.mean(dim=(1, 2)).sum()).backward()
-    assert_close_derived(carry, ref_carry, L * 2 * D)
-    assert_close_derived(ws.grad, ws_c.grad, L * 2 * D * 16)
-    assert_close_derived(emb.grad, emb_c.grad, L * 2 * D * 16)
-
-
-def test_spmd_2d_shardings_and_mark_sharding_inside_fn(device, mesh_4x2):
-    D = 32
-    ws = torch.randn(3, D, D).to(device) / D**0.5
-    xs.mark_sharding(ws, mesh_4x2, (None, "x", "y"))
-    ws.requires_grad_()
-    h0 = torch.randn(8, D).to(device)
-    xs.mark_sharding(h0, mesh_4x2, ("x", "y"))
-    h0.requires_grad_()
-    torch_xla.sync()
-
-    def layer(h, w):
-        xs.mark_sharding(h, mesh_4x2, ("x", None))  # torch_xla issue 8742: the input is device data
-        out = torch.tanh(h @ w)
-        return out, None
-
-    with measure_transfers() as m:
-        with txe.no_host_transfers():
-            carry, _ = txe.scan(layer, h0, ws)
-            carry.sum().backward()
-            torch_xla.sync()
-    assert not m.device_to_host, m.report()
-    assert spec(carry) == spec(h0) == "{devices=[4,2]0,1,2,3,4,5,6,7}"
-    assert spec(ws.grad) == spec(ws) and spec(h0.grad) == spec(h0)
-    ws_c, h_c = ws.detach().cpu().requires_grad_(), h0.detach().cpu().requires_grad_()
-    ref, _ = python_scan(lambda h, w: (torch.tanh(h @ w), None), h_c, ws_c)
-    ref.sum().backward()
-    assert_close_derived(carry, ref, 3 * D)
-    assert_close_derived(ws.grad, ws_c.grad, 3 * D * 8)
-    assert_close_derived(h0.grad, h_c.grad, 3 * D * 8)
 
 
 # --------------------------------------------------------------------------- cache
@@ -333,6 +302,24 @@ def test_cached_plan_reads_current_values_of_outside_tensors(device):
     torch_xla.sync()
     second, _ = txe.scan(fn, init, xs_)
     torch.testing.assert_close(second.cpu(), torch.full((3,), 20.0))
+
+
+def test_bound_methods_are_cached(device):
+    class Stepper:
+        def __init__(self) -> None:
+            self.scale = 0.5
+
+        def step(self, c, x):
+            return c * self.scale + x, None
+
+    stepper = Stepper()
+    init, xs_ = torch.zeros(3).to(device), torch.ones(2, 3).to(device)
+    txe.scan(stepper.step, init, xs_)
+    before = scan_cache_info()
+    carry, _ = txe.scan(stepper.step, init, xs_)  # a new bound-method object, same function and instance
+    after = scan_cache_info()
+    assert after.traces == before.traces and after.hits == before.hits + 1
+    torch.testing.assert_close(carry.cpu(), torch.full((3,), 1.5))
 
 
 # -------------------------------------------------------------------------- errors
@@ -429,243 +416,3 @@ def test_scan_stores_ys_bit_exactly(device):
                      (special.to(device), ints.to(device), flags.to(device)))
     assert torch.equal(ys[0].cpu().view(torch.int32), special.view(torch.int32))
     assert torch.equal(ys[1].cpu(), ints) and torch.equal(ys[2].cpu(), flags)
-
-
-# ---------------------------------------------------------------------- scan_layers
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(dim, hidden)
-        self.down = torch.nn.Linear(hidden, dim)
-        self.norm = torch.nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-def make_blocks(n: int, dim: int = 16, hidden: int = 32, seed: int = 0) -> torch.nn.ModuleList:
-    torch.manual_seed(seed)
-    return torch.nn.ModuleList(Block(dim, hidden) for _ in range(n))
-
-
-def test_scan_layers_matches_the_plain_loop(device):
-    cpu_layers = make_blocks(4)
-    xla_layers = make_blocks(4).to(device)
-    x_cpu = torch.randn(5, 16)
-    out = txe.scan_layers(xla_layers, x_cpu.to(device))
-    ref = x_cpu
-    for layer in cpu_layers:
-        ref = layer(ref)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    assert_close_derived(out, ref, 4 * (16 + 32))
-    for (name, p), (_, p_ref) in zip(xla_layers.named_parameters(), cpu_layers.named_parameters()):
-        assert p.grad is not None, name
-        assert_close_derived(p.grad, p_ref.grad, 4 * (16 + 32) * 5, msg=name)
-
-
-def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
-    layers = make_blocks(3, dim=32, hidden=64).to(device)
-    for layer in layers:
-        xs.mark_sharding(layer.up.weight, mesh_1d, ("fsdp", None))
-        xs.mark_sharding(layer.down.weight, mesh_1d, (None, "fsdp"))
-    x = torch.randn(8, 32).to(device)
-    xs.mark_sharding(x, mesh_1d, ("fsdp", None))
-    torch_xla.sync()
-    with measure_transfers() as m:
-        with txe.no_host_transfers():
-            out = txe.scan_layers(layers, x)
-            out.sum().backward()
-            torch_xla.sync()
-    assert not m.device_to_host, m.report()
-    for layer in layers:
-        assert spec(layer.up.weight.grad) == spec(layer.up.weight) != ""
-        assert spec(layer.down.weight.grad) == spec(layer.down.weight) != ""
-    assert spec(out) == spec(x)
-
-
-@pytest.mark.parametrize("shape, tiles, merged", [
-    ((128, 512), (8, 1), ((65536,), (8,))),        # sharded major dim: one contiguous block per device
-    ((128, 512), (1, 8), ((128, 512), (1, 8))),     # sharded minor dim: nothing to merge
-    ((4, 6, 8), (1, 2, 1), ((4, 48), (1, 2))),      # the minor dims merge into the sharded one
-    ((4, 6, 8), (1, 1, 1), ((192,), (1,))),         # unsharded: flat
-    ((10, 512), (8, 1), ((10, 512), (8, 1))),       # uneven: padded blocks would not line up
-    ((), (), ((), ())),
-])
-def test_stacked_members_merge_only_dims_that_keep_blocks_contiguous(shape, tiles, merged):
-    from torch_xla_ext._scan.stacking import _merged
-
-    assert _merged(shape, tiles) == merged
-
-
-def test_scan_layers_on_a_2d_mesh_matches_the_plain_loop(device, mesh_4x2):
-    # Weights sharded on both dims, on the minor dim only, partially
-    # replicated, and a sharded bias: each takes another stacked layout.
-    cpu_layers = make_blocks(3, dim=16, hidden=32)
-    layers = make_blocks(3, dim=16, hidden=32).to(device)
-    for layer in layers:
-        xs.mark_sharding(layer.up.weight, mesh_4x2, ("x", "y"))
-        xs.mark_sharding(layer.up.bias, mesh_4x2, ("y",))
-        xs.mark_sharding(layer.down.weight, mesh_4x2, (None, "x"))
-    x_cpu = torch.randn(8, 16)
-    x = x_cpu.to(device)
-    xs.mark_sharding(x, mesh_4x2, ("x", None))
-    torch_xla.sync()
-    with measure_transfers() as m:
-        with txe.no_host_transfers():
-            out = txe.scan_layers(layers, x)
-            out.square().sum().backward()
-            torch_xla.sync()
-    assert not m.device_to_host, m.report()
-    ref = x_cpu
-    for layer in cpu_layers:
-        ref = layer(ref)
-    ref.square().sum().backward()
-    assert_close_derived(out, ref, 3 * (16 + 32))
-    annotated = {"up.weight", "up.bias", "down.weight"}  # the rest are left to propagation, as in a loop
-    for (name, p), (_, p_ref) in zip(layers.named_parameters(), cpu_layers.named_parameters()):
-        if name.split(".", 1)[1] in annotated:
-            assert spec(p.grad) == spec(p) != "{replicated}", name
-        assert_close_derived(p.grad, p_ref.grad, 3 * (16 + 32) * 8, msg=name)
-
-
-def _stacking_profile(layers, x) -> tuple[int, int, int]:
-    """(concatenates, slices, constants) in the lowered graph of scan_layers' per-layer gradients."""
-    for p in layers.parameters():
-        p.grad = None
-    txe.scan_layers(layers, x).square().sum().backward()
-    ctx = txe.LoweringContext("stacking")
-    ctx.build([p.grad for p in layers.parameters()])
-    ops = [inst.opcode for comp in ctx.module.computations for inst in comp.instructions]
-    return ops.count("concatenate"), ops.count("slice"), ops.count("constant")
-
-
-def test_scan_layers_stacking_does_not_grow_with_depth(device, mesh_1d):
-    # Handing gradients back with one constant-offset slice per layer makes
-    # XLA generate a kernel per layer: compile time grows with the depth. The
-    # offsets are runtime operands, and stacking is one concatenate per
-    # parameter whatever the depth, so the graph has no per-layer constants.
-    profiles = {}
-    for n in (2, 5):
-        layers = make_blocks(n).to(device)
-        for layer in layers:
-            xs.mark_sharding(layer.up.weight, mesh_1d, ("fsdp", None))
-        profiles[n] = _stacking_profile(layers, torch.randn(4, 16).to(device))
-    concatenates, slices, constants = profiles[5]
-    assert slices == 0, profiles
-    assert concatenates == len(list(make_blocks(1).parameters())), profiles
-    assert profiles[2] == profiles[5], profiles
-
-
-def test_scan_does_not_keep_its_inputs_alive(device, mesh_1d):
-    # A tensor that is still alive at the next sync becomes one more output of
-    # the synced graph: the gradient step must not hold on to xs.
-    import weakref
-
-    w = torch.randn(8, 4).to(device).requires_grad_()
-    xs_t = w * 2
-    xs.mark_sharding(xs_t, mesh_1d, (None, "fsdp"))
-    alive = weakref.ref(xs_t)
-    carry, _ = txe.scan(cumsum_fn, torch.zeros(4, device=device), xs_t)
-    del xs_t
-    loss = carry.sum()
-    loss.backward()
-    assert alive() is None
-    torch.testing.assert_close(w.grad.cpu(), torch.full((8, 4), 2.0))
-
-
-def test_scan_layers_reuses_its_trace(device):
-    layers = make_blocks(2).to(device)
-    x = torch.randn(3, 16).to(device)
-    with torch.no_grad():
-        txe.scan_layers(layers, x)
-        before = scan_cache_info()
-        txe.scan_layers(layers, torch.randn(3, 16).to(device))
-    after = scan_cache_info()
-    assert after.traces == before.traces and after.hits == before.hits + 1
-
-
-def test_scan_layers_rejects_heterogeneous_layers(device, mesh_1d):
-    layers = make_blocks(3).to(device)
-    x = torch.randn(2, 16).to(device)
-    mixed = [layers[0], torch.nn.Linear(16, 16).to(device)]
-    with pytest.raises(TypeError, match=r"layers\[1\] is a Linear"):
-        txe.scan_layers(mixed, x)
-    wide = make_blocks(1, hidden=48).to(device)[0]
-    with pytest.raises(ValueError, match=r"layers\[2\].up.weight has shape \(48, 16\)"):
-        txe.scan_layers([layers[0], layers[1], wide], x)
-    xs.mark_sharding(layers[1].up.weight, mesh_1d, ("fsdp", None))
-    with pytest.raises(ValueError, match=r"layers\[1\].up.weight has sharding"):
-        txe.scan_layers(layers, x)
-    assert txe.scan_layers([], x) is x
-
-
-def test_bool_inputs_and_saved_bool_activations(device):
-    masks = torch.rand(3, 4) > 0.5
-    init = torch.zeros(4)
-    carry, _ = txe.scan(lambda c, m: (c.masked_fill(m, 0.0) + 1, None), init.to(device), masks.to(device))
-    ref = init
-    for m in masks:
-        ref = ref.masked_fill(m, 0.0) + 1
-    torch.testing.assert_close(carry.cpu(), ref)
-
-    w = torch.randn(4, 4).to(device).requires_grad_()
-    keep = (torch.arange(4) % 2 == 0).to(device)
-    out, _ = txe.scan(lambda h, x: ((h @ w).masked_fill(~keep, 0.0) + x, None),
-                      torch.ones(4).to(device), torch.ones(3, 4).to(device))
-    out.sum().backward()
-    w_ref = w.detach().cpu().requires_grad_()
-    h = torch.ones(4)
-    for _ in range(3):
-        h = (h @ w_ref).masked_fill(~keep.cpu(), 0.0) + 1
-    h.sum().backward()
-    assert_close_derived(w.grad, w_ref.grad, 3 * 4 * 2)
-
-
-def test_training_steps_after_the_first_do_not_recompile(device, mesh_1d):
-    """Unannotated parameters read '' before their first execution and '{replicated}' after it."""
-    layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2)).to(device)
-    for layer in layers:
-        xs.mark_sharding(layer.weight, mesh_1d, ("fsdp", None))  # biases stay unannotated
-    x = torch.randn(8, 16)
-    compiles = []
-    for _ in range(3):
-        before = met.metric_data("CompileTime")[0]
-        layers.zero_grad(set_to_none=True)
-        xd = x.to(device)
-        xs.mark_sharding(xd, mesh_1d, ("fsdp", None))
-        txe.scan_layers(layers, xd).sum().backward()
-        torch_xla.sync()
-        compiles.append(met.metric_data("CompileTime")[0] - before)
-    assert compiles[1:] == [0, 0], compiles
-
-
-def test_bound_methods_are_cached(device):
-    class Stepper:
-        def __init__(self) -> None:
-            self.scale = 0.5
-
-        def step(self, c, x):
-            return c * self.scale + x, None
-
-    stepper = Stepper()
-    init, xs_ = torch.zeros(3).to(device), torch.ones(2, 3).to(device)
-    txe.scan(stepper.step, init, xs_)
-    before = scan_cache_info()
-    carry, _ = txe.scan(stepper.step, init, xs_)  # a new bound-method object, same function and instance
-    after = scan_cache_info()
-    assert after.traces == before.traces and after.hits == before.hits + 1
-    torch.testing.assert_close(carry.cpu(), torch.full((3,), 1.5))
-
-
-def test_scan_layers_with_a_layer_on_the_cpu_names_it_and_the_fix(device):
-    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
-    x = torch.ones(2, 4, device=device)
-    with pytest.raises(TypeError, match=r"layers\[0\]\.weight is on cpu; move the layers to the XLA device"):
-        txe.scan_layers(layers, x)
-    layers[0].to(device)
-    layers[2].to(device)
-    with pytest.raises(TypeError, match=r"layers\[1\]\.weight is on cpu"):
-        txe.scan_layers(layers, x)
