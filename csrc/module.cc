@@ -1,11 +1,22 @@
 // Python binding of the HloModuleProto reader: torch_xla_ext._C.
 //
-// The classes here are thin read-only views over the C++ structures;
-// torch_xla_ext/hlo.py turns them into frozen dataclasses once per module.
+// Two kinds of objects cross the boundary:
+//
+// - Read-only views of the C++ records (Module, Computation, Instruction,
+//   Shape, Sharding, Collective, HostTransfer, WhileLoop), for tests and
+//   tools that want the reader's own view.
+// - Plain records for torch_xla_ext.hlo, built in one pass: dicts whose keys
+//   are the field names of the Python dataclasses (Module.records(),
+//   Sharding.record()), so the Python side builds each dataclass with
+//   keyword arguments and never indexes a tuple.
+//
+// Tables Python needs (bits per element type, the sharding type values,
+// XLA's unbounded dimension size) come from here too, so they exist once.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,30 +51,74 @@ class Bytes {
   Py_buffer view_;
 };
 
-// (type, dims, devices, replicate_on_last_tile_dim, last_tile_dims,
-//  iota_reshape_dims, iota_transpose_perm, [children...]) -> OpSharding.
-OpSharding ShardingFromPlain(const py::handle& obj, int depth) {
-  if (depth > kMaxNestingDepth) {
-    throw py::value_error("sharding nested deeper than " +
-                          std::to_string(kMaxNestingDepth) + " levels");
+// ---------------------------------------------------------------------------
+// Tables.
+
+// {name: bits} of every array element type ("f32": 32, "s4": 4, ...).
+py::dict PrimitiveTypeBitsTable() {
+  py::dict table;
+  for (int32_t type = 0; type <= kMaxPrimitiveType; ++type) {
+    const int bits = PrimitiveTypeBits(type);
+    if (bits > 0) table[py::str(std::string(PrimitiveTypeName(type)))] = bits;
   }
-  const py::tuple t = py::reinterpret_borrow<py::object>(obj).cast<py::tuple>();
-  if (t.size() != 8) {
-    throw py::value_error("expected an 8-tuple describing an OpSharding");
-  }
-  OpSharding s;
-  s.type = t[0].cast<int32_t>();
-  s.tile_assignment_dimensions = t[1].cast<std::vector<int64_t>>();
-  s.tile_assignment_devices = t[2].cast<std::vector<int64_t>>();
-  s.replicate_on_last_tile_dim = t[3].cast<bool>();
-  s.last_tile_dims = t[4].cast<std::vector<int32_t>>();
-  s.iota_reshape_dims = t[5].cast<std::vector<int64_t>>();
-  s.iota_transpose_perm = t[6].cast<std::vector<int32_t>>();
-  for (const py::handle& child : t[7].cast<py::list>()) {
-    s.tuple_shardings.push_back(ShardingFromPlain(child, depth + 1));
-  }
-  return s;
+  return table;
 }
+
+// {name: value} of xla.OpSharding.Type ("replicated": 0, ...).
+py::dict ShardingTypeTable() {
+  py::dict table;
+  for (int32_t type = 0; type <= kMaxShardingType; ++type) {
+    table[py::str(ShardingTypeName(type))] = type;
+  }
+  return table;
+}
+
+int32_t ShardingTypeValue(const py::handle& name) {
+  const std::string text = py::str(name);
+  const auto value = ShardingTypeFromName(text);
+  if (!value) {
+    throw py::value_error("unknown sharding type '" + text +
+                          "'; expected replicated, maximal, tuple, other, "
+                          "manual, unknown, unreduced or type_<N>");
+  }
+  return *value;
+}
+
+// ---------------------------------------------------------------------------
+// Records for torch_xla_ext.hlo.
+
+// The dict keys of the records, made once: a module of 1,000 instructions
+// would otherwise make 15,000 key strings per read. Interned strings, kept
+// for the life of the process.
+struct RecordKeys {
+  py::str id{"id"}, name{"name"}, opcode{"opcode"}, shape{"shape"},
+      operand_ids{"operand_ids"},
+      called_computation_ids{"called_computation_ids"},
+      parameter_number{"parameter_number"},
+      custom_call_target{"custom_call_target"},
+      is_host_transfer{"is_host_transfer"}, channel_id{"channel_id"},
+      replica_groups{"replica_groups"}, sharding{"sharding"},
+      frontend_attributes{"frontend_attributes"},
+      source_target_pairs{"source_target_pairs"}, computation{"computation"};
+
+  static const RecordKeys& Get() {
+    static const RecordKeys* keys = new RecordKeys();  // never destroyed
+    return *keys;
+  }
+
+ private:
+  RecordKeys() {
+    for (py::str* key : {&id, &name, &opcode, &shape, &operand_ids,
+                         &called_computation_ids, &parameter_number,
+                         &custom_call_target, &is_host_transfer, &channel_id,
+                         &replica_groups, &sharding, &frontend_attributes,
+                         &source_target_pairs, &computation}) {
+      PyObject* raw = key->release().ptr();
+      PyUnicode_InternInPlace(&raw);
+      *key = py::reinterpret_steal<py::str>(raw);
+    }
+  }
+};
 
 template <typename T>
 py::tuple IntTuple(const std::vector<T>& v) {
@@ -74,31 +129,189 @@ py::tuple IntTuple(const std::vector<T>& v) {
   return t;
 }
 
-// (element_type_name, dimensions, tuple_shapes, is_dynamic_dimension) with
-// nested tuples only, so Python can use it as a dictionary key.
-py::tuple ShapeRecord(const Shape& s) {
-  py::tuple tuples(s.tuple_shapes.size());
-  for (std::size_t i = 0; i < s.tuple_shapes.size(); ++i) {
-    tuples[i] = ShapeRecord(s.tuple_shapes[i]);
+py::tuple SubgroupNames(const std::vector<int32_t>& types) {
+  py::tuple t(types.size());
+  for (std::size_t i = 0; i < types.size(); ++i) {
+    t[i] = py::str(ShardingTypeName(types[i]));
   }
-  bool any_dynamic = false;
-  for (bool d : s.is_dynamic_dimension) any_dynamic |= d;
-  py::tuple dynamic(any_dynamic ? s.is_dynamic_dimension.size() : 0);
-  if (any_dynamic) {
-    for (std::size_t i = 0; i < s.is_dynamic_dimension.size(); ++i) {
-      dynamic[i] = py::bool_(s.is_dynamic_dimension[i]);
-    }
-  }
-  return py::make_tuple(std::string(PrimitiveTypeName(s.element_type)),
-                        IntTuple(s.dimensions), tuples, dynamic);
+  return t;
 }
 
-py::dict FrontendAttributes(const Instruction& ins) {
-  py::dict d;
-  for (const auto& kv : ins.frontend_attributes) {
-    d[py::str(kv.first)] = py::str(kv.second);
+// The fields of torch_xla_ext.hlo.Sharding: type names instead of values,
+// the expanded device list, the derived text.
+py::dict ShardingRecord(const Sharding& s) {
+  py::tuple elements(s.tuple_elements.size());
+  for (std::size_t i = 0; i < s.tuple_elements.size(); ++i) {
+    elements[i] = ShardingRecord(s.tuple_elements[i]);
   }
+  py::dict d;
+  d["type"] = ShardingTypeName(s.proto.type);
+  d["tile_assignment_dimensions"] = IntTuple(s.proto.tile_assignment_dimensions);
+  d["tile_assignment_devices"] = IntTuple(s.devices);
+  d["replicate_on_last_tile_dim"] = s.proto.replicate_on_last_tile_dim;
+  d["last_tile_dims"] = SubgroupNames(s.proto.last_tile_dims);
+  d["tuple_shardings"] = elements;
+  d["iota_reshape_dims"] = IntTuple(s.proto.iota_reshape_dims);
+  d["iota_transpose_perm"] = IntTuple(s.proto.iota_transpose_perm);
+  d["valid"] = s.valid;
+  d["text"] = s.text;
   return d;
+}
+
+// The distinct shapes of a module, each once, children before their tuples:
+// a record per shape with the fields of torch_xla_ext.hlo.Shape, except
+// that tuple_shapes holds indices into the same list.
+class ShapeTable {
+ public:
+  // Index of `s` in records(), adding it (and its elements) when new.
+  int64_t Add(const Shape& s) {
+    std::vector<int64_t> children;
+    children.reserve(s.tuple_shapes.size());
+    for (const Shape& t : s.tuple_shapes) children.push_back(Add(t));
+    bool any_dynamic = false;
+    for (bool d : s.is_dynamic_dimension) any_dynamic |= d;
+    // The key is everything the record holds.
+    std::vector<int64_t> key;
+    key.reserve(4 + s.dimensions.size() + children.size() +
+                (any_dynamic ? s.is_dynamic_dimension.size() : 0));
+    key.push_back(s.element_type);
+    key.push_back(static_cast<int64_t>(s.dimensions.size()));
+    key.insert(key.end(), s.dimensions.begin(), s.dimensions.end());
+    key.push_back(static_cast<int64_t>(children.size()));
+    key.insert(key.end(), children.begin(), children.end());
+    if (any_dynamic) {
+      key.insert(key.end(), s.is_dynamic_dimension.begin(),
+                 s.is_dynamic_dimension.end());
+    }
+    const auto [it, added] =
+        index_.emplace(std::move(key), static_cast<int64_t>(records_.size()));
+    if (!added) return it->second;
+    py::tuple dynamic(any_dynamic ? s.is_dynamic_dimension.size() : 0);
+    if (any_dynamic) {
+      for (std::size_t i = 0; i < s.is_dynamic_dimension.size(); ++i) {
+        dynamic[i] = py::bool_(s.is_dynamic_dimension[i]);
+      }
+    }
+    py::dict d;
+    d["element_type"] = std::string(PrimitiveTypeName(s.element_type));
+    d["dimensions"] = IntTuple(s.dimensions);
+    d["tuple_shapes"] = IntTuple(children);
+    d["is_dynamic_dimension"] = dynamic;
+    records_.append(d);
+    return it->second;
+  }
+
+  const py::list& records() const { return records_; }
+
+ private:
+  std::map<std::vector<int64_t>, int64_t> index_;
+  py::list records_;
+};
+
+// The fields of torch_xla_ext.hlo.HloInstruction, in the Python view's
+// terms: parameter_number is None unless the opcode is "parameter",
+// channel_id None when not positive (XLA's "unset"), `shape` an index into
+// the module's shape records, `sharding` a sharding record or None.
+py::dict InstructionRecord(const Instruction& ins, const py::str& computation,
+                           ShapeTable& shapes) {
+  const RecordKeys& k = RecordKeys::Get();
+  py::tuple groups(ins.replica_groups.size());
+  for (std::size_t g = 0; g < ins.replica_groups.size(); ++g) {
+    groups[g] = IntTuple(ins.replica_groups[g]);
+  }
+  py::tuple pairs(ins.source_target_pairs.size());
+  for (std::size_t p = 0; p < ins.source_target_pairs.size(); ++p) {
+    pairs[p] = py::make_tuple(ins.source_target_pairs[p].first,
+                              ins.source_target_pairs[p].second);
+  }
+  py::dict attributes;
+  for (const auto& kv : ins.frontend_attributes) {
+    attributes[py::str(kv.first)] = py::str(kv.second);
+  }
+  py::dict d;
+  d[k.id] = ins.id;
+  d[k.name] = ins.name;
+  d[k.opcode] = ins.opcode;
+  d[k.shape] = shapes.Add(ins.shape);
+  d[k.operand_ids] = IntTuple(ins.operand_ids);
+  d[k.called_computation_ids] = IntTuple(ins.called_computation_ids);
+  d[k.parameter_number] = ins.opcode == "parameter"
+                              ? py::object(py::int_(ins.parameter_number))
+                              : py::object(py::none());
+  d[k.custom_call_target] = ins.custom_call_target;
+  d[k.is_host_transfer] = ins.is_host_transfer;
+  d[k.channel_id] = ins.channel_id > 0 ? py::object(py::int_(ins.channel_id))
+                                       : py::object(py::none());
+  d[k.replica_groups] = groups;
+  d[k.sharding] = ins.sharding ? py::object(ShardingRecord(*ins.sharding))
+                               : py::object(py::none());
+  d[k.frontend_attributes] = attributes;
+  d[k.computation] = computation;
+  d[k.source_target_pairs] = pairs;
+  return d;
+}
+
+// {"shapes": [shape records], "computations": [{"id", "name", "root_id",
+// "instructions": [instruction records]}]}.
+py::dict ModuleRecords(const Module& m) {
+  ShapeTable shapes;
+  py::list computations;
+  for (const Computation& comp : m.computations) {
+    const py::str name(comp.name);
+    py::list instructions(comp.instructions.size());
+    for (std::size_t k = 0; k < comp.instructions.size(); ++k) {
+      instructions[k] = InstructionRecord(comp.instructions[k], name, shapes);
+    }
+    py::dict c;
+    c["id"] = comp.id;
+    c["name"] = name;
+    c["root_id"] = comp.root_id;
+    c["instructions"] = instructions;
+    computations.append(c);
+  }
+  py::dict d;
+  d["shapes"] = shapes.records();
+  d["computations"] = computations;
+  return d;
+}
+
+// ---------------------------------------------------------------------------
+// Python sharding -> OpSharding, for format_sharding.
+
+std::vector<int64_t> Int64s(const py::handle& obj, const char* name) {
+  return obj.attr(name).cast<std::vector<int64_t>>();
+}
+
+std::vector<int32_t> Int32s(const py::handle& obj, const char* name) {
+  return obj.attr(name).cast<std::vector<int32_t>>();
+}
+
+// Reads the attributes of a torch_xla_ext.hlo.Sharding (or any object with
+// them): type and last_tile_dims by name, the integer lists, and
+// tuple_shardings recursively. tile_assignment_devices is ignored when
+// iota_reshape_dims is set: the Python view holds the iota's expansion there.
+OpSharding ShardingFromObject(const py::handle& obj, int depth) {
+  if (depth > kMaxNestingDepth) {
+    throw py::value_error("sharding nested deeper than " +
+                          std::to_string(kMaxNestingDepth) + " levels");
+  }
+  OpSharding s;
+  s.type = ShardingTypeValue(obj.attr("type"));
+  s.tile_assignment_dimensions = Int64s(obj, "tile_assignment_dimensions");
+  s.iota_reshape_dims = Int64s(obj, "iota_reshape_dims");
+  s.iota_transpose_perm = Int32s(obj, "iota_transpose_perm");
+  if (s.iota_reshape_dims.empty()) {
+    s.tile_assignment_devices = Int64s(obj, "tile_assignment_devices");
+  }
+  s.replicate_on_last_tile_dim =
+      obj.attr("replicate_on_last_tile_dim").cast<bool>();
+  for (const py::handle& name : obj.attr("last_tile_dims")) {
+    s.last_tile_dims.push_back(ShardingTypeValue(name));
+  }
+  for (const py::handle& child : obj.attr("tuple_shardings")) {
+    s.tuple_shardings.push_back(ShardingFromObject(child, depth + 1));
+  }
+  return s;
 }
 
 }  // namespace
@@ -117,6 +330,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("BUDGET_BYTES_PER_INPUT_BYTE") = kBudgetBytesPerInputByte;
   m.attr("BUDGET_BASE_BYTES") = kBudgetBaseBytes;
   m.attr("WHILE_WALK_STEPS_PER_EDGE") = kWhileWalkStepsPerEdge;
+  m.attr("UNBOUNDED_SIZE") = kUnboundedSize;
+  m.attr("PRIMITIVE_TYPE_BITS") = PrimitiveTypeBitsTable();
+  m.attr("SHARDING_TYPES") = ShardingTypeTable();
 
   m.def(
       "primitive_type_name",
@@ -170,6 +386,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tuple_elements", &Sharding::tuple_elements)
       .def_readonly("text", &Sharding::text)
       .def_readonly("valid", &Sharding::valid)
+      .def("record", &ShardingRecord,
+           "The fields of torch_xla_ext.hlo.Sharding as a dict (type names, "
+           "the expanded device list, nested records for tuple elements).")
       .def("__str__", [](const Sharding& s) { return s.text; });
 
   py::class_<Instruction>(m, "Instruction")
@@ -188,7 +407,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("replica_groups", &Instruction::replica_groups)
       .def_readonly("source_target_pairs", &Instruction::source_target_pairs)
       .def_readonly("sharding", &Instruction::sharding)
-      .def_property_readonly("frontend_attributes", &FrontendAttributes)
+      .def_property_readonly("frontend_attributes",
+                             [](const Instruction& ins) {
+                               py::dict d;
+                               for (const auto& kv : ins.frontend_attributes) {
+                                 d[py::str(kv.first)] = py::str(kv.second);
+                               }
+                               return d;
+                             })
       .def_property_readonly(
           "backend_config",
           [](const Instruction& ins) { return py::bytes(ins.backend_config); })
@@ -199,47 +425,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("id", &Computation::id)
       .def_readonly("name", &Computation::name)
       .def_readonly("root_id", &Computation::root_id)
-      .def_readonly("instructions", &Computation::instructions)
-      .def(
-          "instruction_records",
-          [](const Computation& comp) {
-            // One tuple per instruction, built in a single pass: (id, name,
-            // opcode, shape record, operand_ids, called_computation_ids,
-            // parameter_number, custom_call_target, is_host_transfer,
-            // channel_id, replica_groups, has_sharding,
-            // frontend_attributes, source_target_pairs).
-            py::list out(comp.instructions.size());
-            for (std::size_t k = 0; k < comp.instructions.size(); ++k) {
-              const Instruction& ins = comp.instructions[k];
-              py::tuple groups(ins.replica_groups.size());
-              for (std::size_t g = 0; g < ins.replica_groups.size(); ++g) {
-                groups[g] = IntTuple(ins.replica_groups[g]);
-              }
-              py::tuple pairs(ins.source_target_pairs.size());
-              for (std::size_t p = 0; p < ins.source_target_pairs.size(); ++p) {
-                pairs[p] = py::make_tuple(ins.source_target_pairs[p].first,
-                                          ins.source_target_pairs[p].second);
-              }
-              py::tuple rec(14);
-              rec[0] = py::int_(ins.id);
-              rec[1] = py::str(ins.name);
-              rec[2] = py::str(ins.opcode);
-              rec[3] = ShapeRecord(ins.shape);
-              rec[4] = IntTuple(ins.operand_ids);
-              rec[5] = IntTuple(ins.called_computation_ids);
-              rec[6] = py::int_(ins.parameter_number);
-              rec[7] = py::str(ins.custom_call_target);
-              rec[8] = py::bool_(ins.is_host_transfer);
-              rec[9] = py::int_(ins.channel_id);
-              rec[10] = groups;
-              rec[11] = py::bool_(ins.sharding.has_value());
-              rec[12] = FrontendAttributes(ins);
-              rec[13] = pairs;
-              out[k] = rec;
-            }
-            return out;
-          },
-          "Plain-tuple records of all instructions (fast bulk conversion).");
+      .def_readonly("instructions", &Computation::instructions);
 
   py::class_<Collective>(m, "Collective")
       .def_readonly("kind", &Collective::kind)
@@ -268,6 +454,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("entry_index", &Module::entry_index)
       .def_readonly("computations", &Module::computations)
       .def("num_instructions", &Module::NumInstructions)
+      .def("records", &ModuleRecords,
+           "Every computation and instruction as dicts keyed by the field "
+           "names of torch_xla_ext.hlo's HloComputation, HloInstruction, "
+           "Shape and Sharding, built in one pass: {'shapes': [...], "
+           "'computations': [{'id', 'name', 'root_id', 'instructions': "
+           "[...]}]}. Equal shapes are listed once; an instruction's 'shape' "
+           "and a shape's 'tuple_shapes' are indices into 'shapes', which "
+           "lists elements before their tuples.")
       .def(
           "entry_parameter_indices",
           [](const Module& mod) {
@@ -313,13 +507,13 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "format_sharding",
-      [](const py::object& plain) {
-        return DescribeSharding(ShardingFromPlain(plain, 0)).text;
+      [](const py::object& sharding) {
+        return DescribeSharding(ShardingFromObject(sharding, 0)).text;
       },
-      py::arg("plain"),
-      "XLA's string for a sharding given as (type, dims, devices, "
-      "replicate_on_last_tile_dim, last_tile_dims, iota_reshape_dims, "
-      "iota_transpose_perm, [children]).");
+      py::arg("sharding"),
+      "XLA's string for a torch_xla_ext.hlo.Sharding (any object with its "
+      "attributes: type and last_tile_dims as names, the integer lists, "
+      "tuple_shardings). Raises ValueError for an unknown type name.");
 
   m.def(
       "read_sharding",

@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 
 from torch_xla_ext import _C
 from torch_xla_ext.hlo import (
+    HloComputation,
+    HloInstruction,
     HloModule,
     HloParameter,
     HloParseError,
@@ -640,6 +642,51 @@ def test_sharding_properties():
     made = Sharding(type="other", tile_assignment_dimensions=(2, 4), iota_reshape_dims=(4, 2), iota_transpose_perm=(1, 0))
     assert str(made) == "{devices=[2,4]<=[4,2]T(1,0)}"
     assert str(Sharding(type="tuple", tuple_shardings=(Sharding(type="manual"), made))) == "{{manual}, {devices=[2,4]<=[4,2]T(1,0)}}"
+    # The printer reads type names itself, including the "type_<N>" spelling of unknown values.
+    assert str(Sharding(type="other", tile_assignment_dimensions=(2,), tile_assignment_devices=(1, 0), last_tile_dims=("replicated",))) == "{replicated}"
+    assert str(read_sharding(op_sharding(9))).startswith("{invalid type_9 ")
+    assert str(Sharding(type="type_9")) == str(read_sharding(op_sharding(9)))
+    with pytest.raises(ValueError, match="unknown sharding type 'tiled'"):
+        str(Sharding(type="tiled"))
+    with pytest.raises(ValueError, match="unknown sharding type 'both'"):
+        str(Sharding(type="other", tile_assignment_dimensions=(2, 1), tile_assignment_devices=(0, 1), last_tile_dims=("both",)))
+
+
+def test_tables_come_from_the_reader():
+    assert _C.SHARDING_TYPES == {"replicated": 0, "maximal": 1, "tuple": 2, "other": 3, "manual": 4, "unknown": 5, "unreduced": 6}
+    assert all(_C.sharding_type_name(v) == k for k, v in _C.SHARDING_TYPES.items())
+    bits = _C.PRIMITIVE_TYPE_BITS
+    assert bits["pred"] == 8 and bits["s4"] == 4 and bits["u1"] == 1 and bits["bf16"] == 16 and bits["c128"] == 128
+    assert "tuple" not in bits and "token" not in bits and "opaque" not in bits
+    # Every array type's size agrees between the C++ shape and the Python one.
+    types = {name: value for value in range(64) if (name := _C.primitive_type_name(value)) in bits}
+    assert set(types) == set(bits)
+    for name, value in types.items():
+        native = _C.read_module(module("m", "c", 1, [computation("c", 1, 1, [instruction("p", "parameter", 1, shape(value, [3, 5]), param=0)])])).computations[0].instructions[0].shape
+        assert Shape(name, (3, 5)).byte_size == native.byte_size, name
+    assert _C.UNBOUNDED_SIZE == -(2**63)
+
+
+def test_module_records_are_named_and_share_shapes():
+    mod = _C.read_module(analysis_module())
+    records = mod.records()
+    fields = {f.name for f in dataclasses.fields(HloInstruction)}
+    for comp, native in zip(records["computations"], mod.computations):
+        assert set(comp) == {f.name for f in dataclasses.fields(HloComputation)}
+        assert comp["name"] == native.name and len(comp["instructions"]) == len(native.instructions)
+        for rec, ins in zip(comp["instructions"], native.instructions):
+            assert set(rec) == fields and rec["id"] == ins.id and rec["computation"] == native.name
+            assert (rec["sharding"] is None) == (ins.sharding is None)
+    # Each distinct shape is listed once, elements before their tuples.
+    shapes = records["shapes"]
+    keys = [(s["element_type"], s["dimensions"], s["tuple_shapes"], s["is_dynamic_dimension"]) for s in shapes]
+    assert len(set(keys)) == len(keys)
+    assert all(i < k for k, s in enumerate(shapes) for i in s["tuple_shapes"])
+    view = read_hlo(analysis_module())
+    by_value = {}
+    for comp in view.computations:
+        for ins in comp.instructions:
+            assert by_value.setdefault(ins.shape, ins.shape) is ins.shape
 
 
 # ---------------------------------------------------------------------------
