@@ -182,7 +182,7 @@ def test_gradient_only_to_closure(device):
 
 @pytest.mark.parametrize("partition", [None, min_cut_rematerialization_partition], ids=["save", "mincut"])
 def test_backward_rereads_views_of_xs_instead_of_stacking_them(device, partition):
-    from torch_xla_ext._scan.autograd import _GradPlan
+    from torch_xla_ext._scan.autograd import _GradPlan, _Input, _Recompute
 
     def fn(c, w):  # c @ w.t() saves a transposed view of the x slice w for the backward
         return c * 2, c @ w.t()
@@ -201,7 +201,7 @@ def test_backward_rereads_views_of_xs_instead_of_stacking_them(device, partition
     f32 = torch.float32
     plan = _GradPlan(lambda c, x: tuple([v] for v in fn(c[0], x[0])), [((4, 8), f32)], [((6, 8), f32)], [True],
                      [], (), length=3, reverse=False, partition_fn=partition)
-    assert ("x", 0) in [src[1] for src in plan.saved_src if src[0] == "recompute"]
+    assert _Input("x", 0) in [src.base for src in plan.saved_src if isinstance(src, _Recompute)]
     stacked = [shape for shape, _ in plan.saved_sig]
     assert stacked and all(sorted(shape) == [4, 8] for shape in stacked), stacked  # only the carry c
 

@@ -1,16 +1,18 @@
 """Autograd for scan: AOTAutograd's forward/backward split of the step, each graph run as a while loop.
 
-The forward loop also stacks the activations the backward needs (named by
-``saved_src``: stacked by the forward, re-read from an input, or recomputed
-from one); the backward loop runs in reverse, carrying the carry's gradient
-and accumulating the gradients of the outside tensors.
+The forward loop also stacks the activations the backward needs. Where each
+saved activation comes from is a named record in ``saved_src``: stacked by the
+forward (:class:`_Stacked`), re-read from an input (:class:`_Input`), or
+recomputed from one (:class:`_Recompute`). The backward loop runs in reverse,
+carrying the carry's gradient and accumulating the gradients of the outside
+tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,15 +57,39 @@ def _traceable_mark_sharding(lifter: Lifter):
         xs.mark_sharding = xla_sharding.mark_sharding = original
 
 
-def _input_source(node, placeholders: list, n_c: int, n_x: int) -> tuple[str, int] | None:
-    """("x", j) or ("outside", k) when ``node`` is that input of the forward graph."""
+class _Stacked(NamedTuple):
+    """A saved activation the forward loop stacks: its ``index``-th stacked output."""
+
+    index: int
+
+
+class _Input(NamedTuple):
+    """A saved activation that is an input of the forward graph, read again by the backward loop."""
+
+    kind: str   # "x" (a slice of xs leaf ``index``) or "outside" (outside tensor ``index``)
+    index: int
+
+
+class _Recompute(NamedTuple):
+    """A saved activation the backward loop recomputes from an input: casts and views, see :func:`_recompute_chain`."""
+
+    base: _Input
+    ops: list
+    barrier: bool  # behind an optimization barrier (a gather fully_shard marked)
+
+
+_Saved = _Stacked | _Input | _Recompute
+
+
+def _input_source(node, placeholders: list, n_c: int, n_x: int) -> _Input | None:
+    """The :class:`_Input` ``node`` is, when it is an x or outside input of the forward graph."""
     if node not in placeholders:
         return None
     pos = placeholders.index(node)
     if n_c <= pos < n_c + n_x:
-        return ("x", pos - n_c)
+        return _Input("x", pos - n_c)
     if pos >= n_c + n_x:
-        return ("outside", pos - n_c - n_x)
+        return _Input("outside", pos - n_c - n_x)
     return None
 
 
@@ -188,12 +214,8 @@ class _GradPlan:
         out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
         placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]
         saved_nodes = out_nodes[len(outs):]
-        # Where each saved activation comes from: ("stacked", k) -- stacked by the
-        # forward loop; ("x", j) / ("outside", k) -- an input, read again by the
-        # backward loop; ("recompute", (kind, index), ops, marked) -- casts and
-        # views of an x or outside input, replayed by the backward loop (behind
-        # an optimization barrier when they gather: see _recompute_chain).
-        self.saved_src: list[tuple] = []
+        # Where each saved activation comes from (see _Saved).
+        self.saved_src: list[_Saved] = []
         stacked = 0
         for node in saved_nodes:
             source = _input_source(node, placeholders, n_c, n_x)
@@ -202,12 +224,12 @@ class _GradPlan:
             if source is not None:
                 self.saved_src.append(source)
             elif base is not None:
-                self.saved_src.append(("recompute", base, *chain[1:]))
+                self.saved_src.append(_Recompute(base, chain[1], chain[2]))
             else:
-                self.saved_src.append(("stacked", stacked))
+                self.saved_src.append(_Stacked(stacked))
                 stacked += 1
         self.num_stacked = stacked
-        self.x_aliased = sorted({src[1] for src in self._input_reads() if src[0] == "x"})
+        self.x_aliased = sorted({read.index for read in self._input_reads() if read.kind == "x"})
         self.carry_sig, self.x_sig = carry, x
         self.fwd_loop = _lower(_trace(self._forward_step, carry, x, self.outside_sig), length, reverse,
                                "scan_forward")
@@ -215,21 +237,16 @@ class _GradPlan:
         self.y_sig = list(self.fwd_loop.y_shapes[:self.num_y])
         self._bwd_loop: _Loop | None = None
 
-    def _input_reads(self) -> list[tuple[str, int]]:
+    def _input_reads(self) -> list[_Input]:
         """The inputs the backward loop reads: aliased ones and the bases of recomputations."""
-        reads = []
-        for src in self.saved_src:
-            if src[0] in ("x", "outside"):
-                reads.append(src)
-            elif src[0] == "recompute":
-                reads.append(src[1])
-        return reads
+        return [src.base if isinstance(src, _Recompute) else src for src in self.saved_src
+                if not isinstance(src, _Stacked)]
 
     def _forward_step(self, carry, x, outside):
         result = list(self.fw(*carry, *x, *outside))
         n_out = self.n_c + self.num_y
         saved = result[n_out:]
-        stacked = [saved[i] for i, src in enumerate(self.saved_src) if src[0] == "stacked"]
+        stacked = [saved[i] for i, src in enumerate(self.saved_src) if isinstance(src, _Stacked)]
         return result[:self.n_c], result[self.n_c:n_out] + stacked
 
     def _backward_step(self, carry, x, outside):
@@ -241,15 +258,13 @@ class _GradPlan:
         stacked = x[:self.num_stacked]
         x_slices = dict(zip(self.x_aliased, x[self.num_stacked:self.num_stacked + len(self.x_aliased)]))
         gy = x[self.num_stacked + len(self.x_aliased):]
-        def read(kind: str, k: int) -> torch.Tensor:
-            return stacked[k] if kind == "stacked" else x_slices[k] if kind == "x" else outside[k]
+        def read(src: _Stacked | _Input) -> torch.Tensor:
+            if isinstance(src, _Stacked):
+                return stacked[src.index]
+            return x_slices[src.index] if src.kind == "x" else outside[src.index]
 
-        saved = []
-        for src in self.saved_src:
-            if src[0] == "recompute":
-                saved.append(_replay(read(*src[1]), src[2], barrier=src[3]))
-            else:
-                saved.append(read(src[0], src[1]))
+        saved = [_replay(read(src.base), src.ops, barrier=src.barrier) if isinstance(src, _Recompute) else read(src)
+                 for src in self.saved_src]
         tangents = [g[i] for i in range(n_c) if self.tangent_mask[i]]
         tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[n_c + j]]
         grads = list(self.bw(*saved, *tangents))
