@@ -40,12 +40,8 @@ _MAPPING_IMPLS = ("auto", "native", "fallback")
 
 
 
-def _xlac():
-    return xlac()
-
-
 def _has_native_device_mapping() -> bool:
-    return hasattr(_xlac().lowering.LoweringContext, "device_parameter_id_tensor_mapping")
+    return hasattr(xlac().lowering.LoweringContext, "device_parameter_id_tensor_mapping")
 
 
 def _require_xla_tensor(t: object, what: str) -> torch.Tensor:
@@ -118,7 +114,7 @@ class LoweringContext:
             )
         self._impl: str = "native" if choice == "native" or (choice == "auto" and native) else "fallback"
         self._name = name
-        self._ctx = _xlac().lowering.LoweringContext(name)
+        self._ctx = xlac().lowering.LoweringContext(name)
         self._built = False
         self._graph_data: list[torch.Tensor] = []
         self._seed_data: list[torch.Tensor] = []
@@ -150,7 +146,7 @@ class LoweringContext:
         if not outputs:
             raise ValueError("outputs must contain at least one XLA tensor")
         tensors = [_require_xla_tensor(t, f"outputs[{i}]") for i, t in enumerate(outputs)]
-        X = _xlac()
+        X = xlac()
         self._ctx.build(tensors)
         # References to the device data the graph reads (no copies), taken now
         # so that later in-place updates of the outputs cannot change answers.
@@ -226,7 +222,7 @@ class LoweringContext:
     def _handles(self) -> dict[int, int]:
         if self._handle_to_param is None:
             mapping = self.device_parameter_id_tensor_mapping()
-            handles = _xlac()._get_tensors_handle(list(mapping.values())) if mapping else []
+            handles = xlac()._get_tensors_handle(list(mapping.values())) if mapping else []
             self._handle_to_param = dict(zip(handles, mapping.keys()))
         return self._handle_to_param
 
@@ -253,7 +249,7 @@ class LoweringContext:
         if not ts:
             return []
         table = self._handles()
-        X = _xlac()
+        X = xlac()
         try:
             handles: list[int | None] = list(X._get_tensors_handle(ts))
         except RuntimeError:
@@ -280,7 +276,7 @@ class LoweringContext:
         self._require_built()
         input_ids = {i for i in self.tensor_parameter_ids(() if inputs is None else inputs) if i >= 0}
         mapping = self.device_parameter_id_tensor_mapping()
-        specs = dict(zip(mapping.keys(), _xlac()._get_xla_sharding_specs(list(mapping.values())))) if mapping else {}
+        specs = dict(zip(mapping.keys(), xlac()._get_xla_sharding_specs(list(mapping.values())))) if mapping else {}
         seeds = {i for i in self.tensor_parameter_ids(self._seed_data) if i >= 0}
         result = []
         for p in self.module.entry_parameters:

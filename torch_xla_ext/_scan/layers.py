@@ -29,21 +29,21 @@ def _layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_homogeneous(layers: Sequence[torch.nn.Module]) -> list[str]:
+def _check_homogeneous(layers: Sequence[torch.nn.Module], states: list[dict[str, torch.Tensor]]) -> list[str]:
+    """The member names of ``layers`` (``states`` are their :func:`_layer_state`); raise at the first difference."""
     first = layers[0]
-    ref = _layer_state(first)
+    ref = states[0]
     names = list(ref)
-    for i, layer in enumerate(layers):
-        for name, t in _layer_state(layer).items():
+    for i, state in enumerate(states):
+        for name, t in state.items():
             if t.device.type != "xla":
                 raise TypeError(f"scan_layers: layers[{i}].{name} is on {t.device}; move the layers to the XLA "
-                                f"device first (layers.to(torch_xla_device()))")
+                                f"device first (layers.to(torch_xla.device()))")
     ref_specs = _canonical_specs(list(ref.values()))
-    for i, layer in enumerate(layers[1:], start=1):
+    for i, (layer, state) in enumerate(zip(layers[1:], states[1:]), start=1):
         if type(layer) is not type(first):
             raise TypeError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
                             f"{type(first).__name__}; all layers must be of one class")
-        state = _layer_state(layer)
         if list(state) != names:
             missing = sorted(set(names) ^ set(state))
             raise ValueError(f"scan_layers: layers[{i}] has parameters/buffers {list(state)} but layers[0] has "
@@ -146,8 +146,8 @@ def scan_layers(
         raise TypeError("scan_layers: x must be a torch.Tensor on the XLA device")
     if not layers:
         return x
-    names = _check_homogeneous(layers)
     states = [_layer_state(layer) for layer in layers]
+    names = _check_homogeneous(layers, states)
     stacked = []
     for name in names:
         members = [state[name] for state in states]
