@@ -17,6 +17,7 @@ import torch_xla_ext as txe
 from torch_xla_ext.scan import clear_scan_cache, scan_cache_info
 
 from scan_reference import assert_close_derived, assert_close_trees, python_scan, to_cpu
+from torch_xla_ext.testing.tolerances import tolerance
 
 X = torch_xla._XLAC
 
@@ -259,6 +260,26 @@ def test_random_ops_differ_per_iteration_and_are_reproducible(device):
     assert float(a.min()) >= 0.0 and float(a.max()) < 1.0
 
 
+def test_dropout_under_grad_keeps_its_mask_for_the_backward(device):
+    # c_{t+1} = dropout(c_t * w) with a scalar w: c_3 = w^3 m_1 m_2 m_3 c_0 / (1-p)^3
+    # whatever masks the iterations draw, so d(sum c_3)/dw = 3 sum(c_3) / w, and
+    # every element is 0 or w^3 / (1-p)^3 (torch_xla's own native_dropout, which
+    # AOTAutograd's graphs would call, keeps with probability p and scales by 1/p).
+    w = torch.tensor(1.5, device=device, requires_grad=True)
+
+    def fn(c, x):
+        return torch.nn.functional.dropout(c * w, 0.25, training=True), None
+
+    init = torch.ones(64).to(device)
+    out, _ = txe.scan(fn, init, None, length=3)
+    out.sum().backward()
+    values, total, grad = out.detach().cpu(), out.sum().item(), w.grad.item()
+    kept = 1.5**3 / 0.75**3
+    assert set(values.unique().tolist()) <= {0.0, kept}
+    assert 0 < total < 64 * kept  # some elements dropped, some kept
+    assert grad == pytest.approx(3 * total / 1.5, rel=tolerance(torch.float32, 64 * 3)["rtol"])
+
+
 # --------------------------------------------------------------------------- cache
 
 
@@ -362,6 +383,7 @@ def test_bad_inputs_raise_clear_errors(device):
         txe.scan(None, c, None, length=1)
     with pytest.raises(ValueError, match="non-negative"):
         txe.scan(ok, c, None, length=-1)
+
 
 
 # ----------------------------------------------------------------------------- jax

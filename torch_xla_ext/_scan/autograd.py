@@ -81,6 +81,21 @@ class _Recompute(NamedTuple):
 _Saved = _Stacked | _Input | _Recompute
 
 
+def _decompositions() -> dict:
+    """Ops the autograd graphs decompose before torch_xla lowers them.
+
+    ``F.dropout`` reaches AOTAutograd's graphs as ``aten.native_dropout``,
+    and torch_xla 2.9 lowers ``native_dropout(x, p, train=True)`` keeping each
+    element with probability ``p`` and scaling by ``1/p`` (eager ``F.dropout``
+    on XLA uses another, correct kernel). PyTorch's decomposition (uniform
+    draws compared with ``p``, scaled by ``1/(1-p)``) gives dropout's
+    semantics and a boolean mask.
+    """
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten.native_dropout])
+
+
 def _input_source(node, placeholders: list, n_c: int, n_x: int) -> _Input | None:
     """The :class:`_Input` ``node`` is, when it is an x or outside input of the forward graph."""
     if node not in placeholders:
@@ -201,7 +216,8 @@ class _GradPlan:
         args += [example(t.shape, t.dtype, t.requires_grad) for t in outside]
         with torch.enable_grad(), scan_autograd_trace():
             compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
-                                    partition_fn=partition_fn or default_partition, enable_log=False)
+                                    partition_fn=partition_fn or default_partition,
+                                    decompositions=_decompositions(), enable_log=False)
             outs = compiled(*args)
             self.tangent_mask = [o.requires_grad for o in outs]
             diff = [o for o in outs if o.requires_grad]
