@@ -385,6 +385,34 @@ def test_bad_inputs_raise_clear_errors(device):
         txe.scan(ok, c, None, length=-1)
 
 
+def test_errors_are_catchable_as_torch_xla_raises_them(device):
+    # torch_xla's scan raises ValueError for a non-callable fn; ours raises a
+    # ScanInputError, both a TypeError and a ValueError.
+    c = torch.zeros(2).to(device)
+    for bad in (1000, None):
+        with pytest.raises(ValueError, match="callable") as info:
+            txe.scan(bad, c, torch.zeros(2, 1).to(device))
+        assert isinstance(info.value, TypeError) and isinstance(info.value, txe.ScanInputError)
+    with pytest.raises(ValueError, match=r"partition_fn must be callable.*length="):
+        txe.scan(lambda c, x: (c, None), c, None, 3)
+
+
+def test_partition_fn_and_is_fn_pure_by_position_as_in_torch_xla(device):
+    w = torch.randn(3, 3).to(device).requires_grad_()
+
+    def fn(c, x):
+        return torch.tanh(c @ w + x), None
+
+    init, xs_ = torch.randn(3).to(device), torch.randn(4, 3).to(device)
+    expected, _ = txe.scan(fn, init, xs_)
+    (expected.sum()).backward()
+    g_default = w.grad.cpu()
+    w.grad = None
+    got, _ = txe.scan(fn, init, xs_, min_cut_rematerialization_partition, False)
+    got.sum().backward()
+    assert torch.equal(got.cpu(), expected.cpu())
+    torch.testing.assert_close(w.grad.cpu(), g_default, **tolerance(torch.float32, 4 * 3))
+
 
 # ----------------------------------------------------------------------------- jax
 

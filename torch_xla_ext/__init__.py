@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
-from .scan import scan, scan_layers
+from .scan import ScanInputError, scan, scan_layers
 from .transfer_guard import (
     HostTransferError,
     TransferStats,
@@ -29,6 +29,7 @@ __all__ = [
     "HloParameter",
     "HostTransferError",
     "LoweringContext",
+    "ScanInputError",
     "Shape",
     "Sharding",
     "TransferStats",

@@ -14,6 +14,7 @@ from ..lowering import _require_xla_tensor
 from .autograd import _GradPlan, _ScanFunction
 from .backend import cpu_codegen
 from .cache import _cached_plan, _Plan
+from .errors import ScanInputError
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
 from .trace import _signature, _trace, _Traced
@@ -41,16 +42,16 @@ def _flat_step(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
         x = None if x_spec is None else pytree.tree_unflatten(x_leaves, x_spec)
         out = fn(carry, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(f"scan: fn must return a pair (carry, y), got {type(out).__name__}"
+            raise ScanInputError(f"scan: fn must return a pair (carry, y), got {type(out).__name__}"
                             + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
         named, spec = _leaves_with_paths(out[0], "carry")
         if spec != init_spec:
-            raise ValueError(f"scan: fn returned a carry with structure {spec}, but init has structure "
+            raise ScanInputError(f"scan: fn returned a carry with structure {spec}, but init has structure "
                              f"{init_spec}; the carry's structure must not change")
         _check_tensor_leaves(named, allow_none=False, who="fn's returned ")
         for (path, leaf), before in zip(named, carry_leaves):
             if _signature(leaf) != _signature(before):
-                raise ValueError(
+                raise ScanInputError(
                     f"scan: fn changed {path} from shape {tuple(before.shape)} {before.dtype} to "
                     f"{tuple(leaf.shape)} {leaf.dtype}; the carry's shapes and dtypes must not change"
                 )
@@ -85,11 +86,11 @@ def scan(
     fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     init: PyTree,
     xs: PyTree,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = True,
     *,
     length: int | None = None,
     reverse: bool = False,
-    partition_fn: Callable | None = None,
-    is_fn_pure: bool = True,
 ) -> tuple[PyTree, PyTree]:
     """Loop ``fn`` over the leading dimension of ``xs`` in one XLA ``while`` loop.
 
@@ -117,7 +118,8 @@ def scan(
         ``length`` is required and ``fn`` receives ``x=None``).
       length: N; required when ``xs`` is None, checked against ``xs`` otherwise.
       reverse: walk ``xs`` from the end; ``ys[i]`` still belongs to ``xs[i]``.
-      partition_fn: AOTAutograd partitioner deciding what the forward loop
+      partition_fn: (may be given by position, as in torch_xla's ``scan``)
+        AOTAutograd partitioner deciding what the forward loop
         saves for the backward loop: ``functorch.compile.default_partition``
         (default; saves activations) or
         ``functorch.compile.min_cut_rematerialization_partition`` (recomputes
@@ -150,35 +152,39 @@ def scan(
       under ``torch.manual_seed``.
     """
     if not callable(fn):
-        raise TypeError(f"scan: fn must be callable, got {type(fn).__name__}")
+        raise ScanInputError(f"scan: fn must be callable, got {type(fn).__name__}")
+    if partition_fn is not None and not callable(partition_fn):
+        raise ScanInputError(f"scan: partition_fn must be callable or None, got {type(partition_fn).__name__}"
+                             + (" (the number of iterations is the keyword argument length=)"
+                                if isinstance(partition_fn, int) else ""))
     if not isinstance(reverse, bool):
-        raise TypeError(f"scan: reverse must be a bool, got {type(reverse).__name__}")
+        raise ScanInputError(f"scan: reverse must be a bool, got {type(reverse).__name__}")
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
-        raise ValueError(f"scan: length must be a non-negative int or None, got {length!r}")
+        raise ScanInputError(f"scan: length must be a non-negative int or None, got {length!r}")
     init_named, init_spec = _leaves_with_paths(init, "init")
     _check_tensor_leaves(init_named, allow_none=False)
     init_l = [leaf for _, leaf in init_named]
     if xs is None:
         if length is None:
-            raise ValueError("scan: xs is None, so length is required (the number of iterations)")
+            raise ScanInputError("scan: xs is None, so length is required (the number of iterations)")
         x_spec, xs_l = None, []
     else:
         x_named, x_spec = _leaves_with_paths(xs, "xs")
         _check_tensor_leaves(x_named, allow_none=False)
         if not x_named:
-            raise ValueError("scan: xs has no tensor leaves; pass xs=None and length=N to scan without inputs")
+            raise ScanInputError("scan: xs has no tensor leaves; pass xs=None and length=N to scan without inputs")
         for path, leaf in x_named:
             if leaf.dim() == 0:
-                raise ValueError(f"scan: {path} is a scalar; every xs leaf needs a leading dimension to scan over")
+                raise ScanInputError(f"scan: {path} is a scalar; every xs leaf needs a leading dimension to scan over")
         first_path, first = x_named[0]
         for path, leaf in x_named[1:]:
             if leaf.shape[0] != first.shape[0]:
-                raise ValueError(
+                raise ScanInputError(
                     f"scan: xs leaves must share their leading dimension: {first_path} has "
                     f"{first.shape[0]} but {path} has {leaf.shape[0]}"
                 )
         if length is not None and length != first.shape[0]:
-            raise ValueError(f"scan: length={length} but the leading dimension of {first_path} is {first.shape[0]}")
+            raise ScanInputError(f"scan: length={length} but the leading dimension of {first_path} is {first.shape[0]}")
         length = int(first.shape[0])
         xs_l = [leaf for _, leaf in x_named]
 
@@ -190,6 +196,8 @@ def scan(
 def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
                xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
                check_written: Callable[[list[int]], None] | None = None,
+               check_traced: Callable[[_Traced, Callable[[Callable], _Traced]], None] | None = None,
+               extra_key: tuple = (),
                ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec], dict[int, torch.Tensor]]:
     """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec), updated xs)``.
 
@@ -197,6 +205,10 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     position of each xs leaf that ``fn`` writes into to the stacked values of
     its slices as each iteration left them; ``check_written`` sees those
     positions first, before anything is lowered, and may refuse them.
+    ``check_traced`` sees the lifting trace, and a function tracing another
+    ``fn`` on the same inputs, before anything is lowered (scan_layers checks
+    that layers with other attributes trace the same). ``extra_key`` joins
+    the cache key (values the caller passes ``fn`` that the trace may not show).
     """
     # Every call traces fn lazily on placeholders (nothing runs): the outside
     # tensors it reads now are the loop's operands, and the trace's fingerprint
@@ -206,6 +218,8 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     carry_sig = [_signature(t) for t in init_l]
     x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
     traced = _trace(step, carry_sig, x_sig)
+    if check_traced is not None:
+        check_traced(traced, lambda other: _trace(_flat_step(other, init_spec, x_spec, {}), carry_sig, x_sig))
     n_c = len(init_l)
     written = [k - n_c for k in traced.mutated if k >= n_c] if check_written is not None else []
     if written:
@@ -216,7 +230,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     specs = tuple(_canonical_specs(init_l + xs_l + outside))
     key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
            tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
-           partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint)
+           partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint, extra_key)
     plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
                         pure)
     if length == 0:
