@@ -16,7 +16,9 @@ layered; each module holds one idea and imports only the ones above it:
 ``cache``     the one registry of lowered loops (keyed by fn and fingerprint).
 ``api``       ``scan``: argument checks and one call (trace, look up, run).
 ``stacking``  stacking homogeneous layers' members, handing gradients back.
-``layers``    ``scan_layers`` on top of ``api`` and ``stacking``.
+``homogeneous`` whether layers can share one traced step (members, attributes).
+``layers``    ``scan_layers`` on top of ``api``, ``homogeneous`` and ``stacking``.
+``errors``    ``ScanInputError``, raised for bad arguments before anything runs.
 
 Every call traces ``fn`` (host-side, cheap); a lowered loop is reused only for
 a trace with the same fingerprint, so no call reads a stale value.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from .api import scan
 from .cache import ScanCacheInfo, clear_scan_cache, scan_cache_info
+from .errors import ScanInputError
 from .layers import scan_layers
 
-__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo"]
+__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError"]

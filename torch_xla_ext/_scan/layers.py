@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
 from .api import _scan_flat
 from .cache import on_clear
+from .errors import ScanInputError
+from .homogeneous import attribute_groups, attribute_key, check_members, describe_difference, layer_state
 from .lift import ValueIdentity
-from .sharding import _canonical_specs
 from .stacking import _Stack, _unstack
+from .trace import _Traced
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -23,59 +27,78 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def _layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state = dict(layer.named_parameters())
-    state.update(dict(layer.named_buffers()))
-    return state
+class _Call(NamedTuple):
+    """What every layer of one scan_layers call receives besides its slice of the stacked members."""
+
+    single: bool                # the carried input is one tensor (not a tuple)
+    args: tuple                 # positional arguments after the carried inputs
+    kwargs: dict[str, Any]      # keyword arguments
 
 
-def _check_homogeneous(layers: Sequence[torch.nn.Module], states: list[dict[str, torch.Tensor]]) -> list[str]:
-    """The member names of ``layers`` (``states`` are their :func:`_layer_state`); raise at the first difference."""
-    first = layers[0]
-    ref = states[0]
-    names = list(ref)
-    for i, state in enumerate(states):
-        for name, t in state.items():
-            if t.device.type != "xla":
-                raise TypeError(f"scan_layers: layers[{i}].{name} is on {t.device}; move the layers to the XLA "
-                                f"device first (layers.to(torch_xla.device()))")
-    ref_specs = _canonical_specs(list(ref.values()))
-    for i, (layer, state) in enumerate(zip(layers[1:], states[1:]), start=1):
-        if type(layer) is not type(first):
-            raise TypeError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
-                            f"{type(first).__name__}; all layers must be of one class")
-        if list(state) != names:
-            missing = sorted(set(names) ^ set(state))
-            raise ValueError(f"scan_layers: layers[{i}] has parameters/buffers {list(state)} but layers[0] has "
-                             f"{names} (first difference: {missing[0] if missing else 'order'})")
-        specs = _canonical_specs(list(state.values()))
-        for (name, t), spec, ref_spec in zip(state.items(), specs, ref_specs):
-            r = ref[name]
-            for what, a, b in (("shape", tuple(t.shape), tuple(r.shape)), ("dtype", t.dtype, r.dtype),
-                               ("device", t.device.type, r.device.type), ("sharding", spec, ref_spec),
-                               ("requires_grad", t.requires_grad, r.requires_grad)):
-                if a != b:
-                    raise ValueError(f"scan_layers: layers[{i}].{name} has {what} {a} but layers[0].{name} "
-                                     f"has {b}; scanned layers must be homogeneous")
-    return names
+# The scan_layers calls being traced on this thread: a stack, so a layer whose
+# forward calls scan_layers itself gets its own.
+_calls = threading.local()
+
+
+@contextlib.contextmanager
+def _layer_arguments(call: _Call) -> Iterator[None]:
+    stack = _calls.__dict__.setdefault("stack", [])
+    stack.append(call)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)} ({', '.join(_describe(v) for v in value[:4])}" \
+               f"{', ...' if len(value) > 4 else ''})"
+    return type(value).__name__
+
+
+def _check_output(template: torch.nn.Module, carry: tuple, out: object, single: bool) -> tuple:
+    """``out`` as a tuple of tensors matching ``carry``; raise naming the layer class and what came back."""
+    got = (out,) if single and isinstance(out, torch.Tensor) else out
+    ok = (isinstance(got, (tuple, list)) and len(got) == len(carry)
+          and all(isinstance(o, torch.Tensor) and o.shape == c.shape and o.dtype == c.dtype
+                  for o, c in zip(got, carry)))
+    if not ok:
+        given = _describe(carry[0]) if single else _describe(tuple(carry))
+        raise ScanInputError(
+            f"scan_layers: {type(template).__name__}.forward returned {_describe(out)} for the input {given}; "
+            f"each layer must return what it takes (the same structure, shapes and dtypes), as the loop "
+            f"h = layer(h) needs"
+        )
+    return tuple(got)
 
 
 _layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _layer_steps_lock = threading.Lock()
+
+# Attribute sets of layers other than the template whose trace was found equal
+# to the template's: per template, (attribute key, template fingerprint).
+_verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VERIFIED_PER_TEMPLATE = 256
 
 
 @on_clear
 def _clear_layer_steps() -> None:
     with _layer_steps_lock:
         _layer_steps.clear()
+        _verified.clear()
 
 
 def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[int, ...]]) -> Callable:
     """One step function per template layer, so repeated calls hit scan's cache.
 
     The stacked members may be reshaped (:func:`_stacked_layout`); the step
-    gives each slice its parameter's shape back. It holds the template
-    weakly: the cache is keyed by the template and must not keep it alive.
+    gives each slice its parameter's shape back. It reads the call's other
+    arguments from :func:`_layer_arguments` (tensors among them are outside
+    tensors to scan: loop operands). It holds the template weakly: the cache
+    is keyed by the template and must not keep it alive.
     """
     key = (tuple(names), tuple(shapes))
     with _layer_steps_lock:
@@ -85,7 +108,7 @@ def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[
 
         template_ref = weakref.ref(template)
 
-        def layer_step(h, state):
+        def layer_step(carry, state):
             params = {name: t if tuple(t.shape) == shape else t.reshape(shape)
                       for name, shape, t in zip(names, shapes, state)}
             # A write into a reshaped member reaches its slice through the view,
@@ -94,25 +117,53 @@ def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[
             views = [(t, params[name]) for name, t in zip(names, state)
                      if params[name] is not t and not _is_fake(params[name])]
             identity = ValueIdentity([v for _, v in views])
-            out = functional_call(template_ref(), params, (h,))
+            call = _calls.stack[-1]
+            layer = template_ref()
+            out = functional_call(layer, params, (*carry, *call.args), call.kwargs)
             for (t, v), changed in zip(views, identity.changed([v for _, v in views])):
                 if changed:
                     t.copy_(v.reshape(t.shape))
-            return out, None
+            return _check_output(layer, carry, out, call.single), None
 
         with _layer_steps_lock:
             step = _layer_steps.setdefault(template, {}).setdefault(key, layer_step)
     return step
 
 
+def _check_call_tensors(kwargs: dict[str, Any], args: tuple) -> tuple:
+    """Refuse non-XLA tensors among the layers' other arguments; their non-tensor leaves as a cache key."""
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    key = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device.type != "xla":
+                where = pytree.keystr(path)
+                raise ScanInputError(
+                    f"scan_layers: the layer argument {where} is a tensor on {leaf.device}; tensors passed to "
+                    f"the layers become loop operands and must be on the XLA device (.to(torch_xla.device()))"
+                )
+            key.append(None)
+        else:
+            key.append(_plain_or_identity(leaf))
+    return (spec, tuple(key))
+
+
+def _plain_or_identity(value: object) -> object:
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return (type(value), value) if isinstance(value, (type(None), bool, int, float, str)) else ("id", id(value))
+
+
 def scan_layers(
     layers: Sequence[torch.nn.Module],
-    x: torch.Tensor,
-    *,
+    input_data: torch.Tensor | tuple[torch.Tensor, ...],
     partition_fn: Callable | None = None,
     is_layer_pure: bool = True,
-) -> torch.Tensor:
-    """Apply homogeneous layers in sequence as one :func:`scan`: ``x = layer(x)`` for each.
+    **layer_kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Apply homogeneous layers in sequence as one :func:`scan`: ``h = layer(h, **layer_kwargs)`` for each.
 
     The layers must be of one class with the same parameter and buffer names,
     shapes, dtypes, shardings and ``requires_grad`` flags; the first
@@ -123,6 +174,12 @@ def scan_layers(
     ``torch.func.functional_call``. Gradients land on each layer's own
     parameters, sharded like them. Nothing moves to the host.
 
+    Layers whose Python attributes differ from ``layers[0]``'s (an index, a
+    per-layer scale, ``training``) are traced once per distinct set of
+    attributes, and accepted only if they give ``layers[0]``'s trace: an
+    attribute read only by code that does not run (a KV-cache index) passes,
+    one that changes the computation raises, naming it.
+
     Buffers a layer updates in place (BatchNorm's running statistics, a step
     counter) are written back to each layer's own buffers, as the loop
     writes them. A forward that writes into a parameter is refused before
@@ -131,23 +188,54 @@ def scan_layers(
     them as they are then (see ``is_fn_pure`` of :func:`scan`).
 
     Args:
-      layers: a sequence (e.g. ``nn.ModuleList``) of modules mapping a tensor
-        to a tensor of the same shape and dtype.
-      x: the input, an XLA tensor.
-      partition_fn: see :func:`scan`.
+      layers: a sequence (e.g. ``nn.ModuleList``) of modules of one class.
+      input_data: an XLA tensor, or a tuple of XLA tensors; then each layer
+        is called as ``layer(*input_data, **layer_kwargs)`` and must return a
+        tuple of the same length, shapes and dtypes (torch_xla's
+        ``scan_layers`` convention).
+      partition_fn: see :func:`scan` (may be given by position, as torch_xla's).
       is_layer_pure: reuse the lowered loop on later calls with the same
         layers and input signature when the forward's trace matches; the
         contract of ``is_fn_pure`` in :func:`scan`.
+      **layer_kwargs: passed unchanged to every layer, as the loop
+        ``h = layer(h, **layer_kwargs)`` would (an attention mask, rotary
+        ``position_embeddings=(cos, sin)``). Tensors among them, in any
+        pytree, must be XLA tensors: they become loop operands (never baked
+        into the compiled loop), keep their sharding and receive gradients
+        when they require grad. Other values are part of the cache key. (The
+        names ``partition_fn`` and ``is_layer_pure`` are this function's.)
+
+    Returns:
+      The last layer's output: a tensor, or a tuple for a tuple ``input_data``.
     """
+    return _scan_layers(layers, input_data, (), layer_kwargs, partition_fn, is_layer_pure)
+
+
+def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | tuple[torch.Tensor, ...],
+                 args: tuple, kwargs: dict[str, Any], partition_fn: Callable | None,
+                 is_layer_pure: bool) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """:func:`scan_layers` whose layers also receive ``args`` after the carried inputs (Hugging Face stacks)."""
     layers = list(layers)
     if not all(isinstance(layer, torch.nn.Module) for layer in layers):
-        raise TypeError("scan_layers: layers must be a sequence of torch.nn.Module")
-    if not isinstance(x, torch.Tensor) or x.device.type != "xla":
-        raise TypeError("scan_layers: x must be a torch.Tensor on the XLA device")
+        raise ScanInputError("scan_layers: layers must be a sequence of torch.nn.Module")
+    single = isinstance(input_data, torch.Tensor)
+    carry = (input_data,) if single else input_data
+    if not isinstance(carry, tuple) or not carry or not all(isinstance(t, torch.Tensor) for t in carry):
+        raise ScanInputError(f"scan_layers: input_data must be an XLA tensor or a non-empty tuple of XLA tensors, "
+                             f"got {_describe(input_data)}")
+    for i, t in enumerate(carry):
+        if t.device.type != "xla":
+            where = "input_data" if single else f"input_data[{i}]"
+            raise ScanInputError(f"scan_layers: {where} is on {t.device}; it must be on the XLA device "
+                                 f"(.to(torch_xla.device()))")
+    if partition_fn is not None and not callable(partition_fn):
+        raise ScanInputError(f"scan_layers: partition_fn must be callable or None, got {type(partition_fn).__name__}")
+    call_key = _check_call_tensors(kwargs, args)
     if not layers:
-        return x
-    states = [_layer_state(layer) for layer in layers]
-    names = _check_homogeneous(layers, states)
+        return input_data
+    states = [layer_state(layer) for layer in layers]
+    names = check_members(layers, states)
+    groups = attribute_groups(layers)
     stacked = []
     for name in names:
         members = [state[name] for state in states]
@@ -171,11 +259,45 @@ def scan_layers(
                     f"optimizer step), or keep the value in a buffer."
                 )
 
-    (out,), _, updated = _scan_flat(step, pytree.tree_flatten(x)[1], x_spec, [x], stacked, len(layers), False,
-                                    partition_fn, is_layer_pure, check_written=only_buffers)
+    def same_trace(traced: _Traced, retrace: Callable[[Callable], _Traced]) -> None:
+        _check_same_trace(layers, groups, names, shapes, traced, retrace)
+
+    with _layer_arguments(_Call(single, args, kwargs)):
+        out, _, updated = _scan_flat(step, pytree.tree_flatten(carry)[1], x_spec, list(carry), stacked,
+                                     len(layers), False, partition_fn, is_layer_pure,
+                                     check_written=only_buffers, check_traced=same_trace, extra_key=call_key)
     if updated:
         _write_back_buffers(states, names, shapes, updated)
-    return out
+    return out[0] if single else tuple(out)
+
+
+def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], names: list[str],
+                      shapes: list[tuple[int, ...]], traced: _Traced,
+                      retrace: Callable[[Callable], _Traced]) -> None:
+    """Trace one layer of each attribute group; refuse a group whose trace is not the template's."""
+    template = layers[0]
+    with _layer_steps_lock:
+        verified = _verified.setdefault(template, set())
+    for group in groups:
+        k = group[0]
+        seen = (attribute_key(layers[k]), traced.fingerprint)
+        if seen in verified:
+            continue
+        other = retrace(_layer_step(layers[k], names, shapes))
+        same = (other.fingerprint == traced.fingerprint and other.mutated == traced.mutated
+                and [id(t) for t in other.outside] == [id(t) for t in traced.outside])
+        del other
+        if not same:
+            raise ScanInputError(
+                f"scan_layers: {describe_difference(template, layers[k], k)}, and that changes what the layer "
+                f"computes (its trace differs from layers[0]'s). scan_layers runs layers[0]'s forward with each "
+                f"layer's parameters, so every layer must compute the same function of its parameters and "
+                f"inputs; run these layers in a Python loop, or scan each group of equal layers separately."
+            )
+        with _layer_steps_lock:
+            if len(verified) >= _VERIFIED_PER_TEMPLATE:
+                verified.clear()
+            verified.add(seen)
 
 
 def _write_back_buffers(states: list[dict[str, torch.Tensor]], names: list[str], shapes: list[tuple[int, ...]],

@@ -1,0 +1,125 @@
+"""Whether layers can share one traced step: same members, and the same Python attributes or the same trace.
+
+``scan_layers`` stacks the layers' parameters and buffers and runs
+``layers[0]``'s forward with each layer's slice. That is the loop only if
+every layer computes the same function of its members:
+
+* :func:`check_members`: the same class, parameter and buffer names, shapes,
+  dtypes, shardings and ``requires_grad`` flags (the first difference is
+  reported, in words close to torch_xla's so code checking them keeps
+  working);
+* :func:`attribute_groups`: the Python attributes of every submodule
+  (``training``, a scale, an attention kind, an index). Layers whose
+  attributes equal ``layers[0]``'s need nothing more; the others are traced
+  once per distinct attribute set and must give ``layers[0]``'s trace (an
+  index read only by a KV cache passes, a per-layer scale does not).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from .errors import ScanInputError
+from .sharding import _canonical_specs
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's parameters, then its buffers, by qualified name."""
+    state = dict(layer.named_parameters())
+    state.update(dict(layer.named_buffers()))
+    return state
+
+
+def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torch.Tensor]]) -> list[str]:
+    """The member names of ``layers`` (``states`` are their :func:`layer_state`); raise at the first difference."""
+    first = layers[0]
+    ref = states[0]
+    names = list(ref)
+    for i, state in enumerate(states):
+        for name, t in state.items():
+            if t.device.type != "xla":
+                raise TypeError(f"scan_layers: layers[{i}].{name} is on {t.device}; move the layers to the XLA "
+                                f"device first (layers.to(torch_xla.device()))")
+    ref_specs = _canonical_specs(list(ref.values()))
+    for i, (layer, state) in enumerate(zip(layers[1:], states[1:]), start=1):
+        if type(layer) is not type(first):
+            raise ScanInputError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
+                                 f"{type(first).__name__}; all layers must be of one class")
+        if list(state) != names:
+            missing, extra = set(names) - set(state), set(state) - set(names)
+            raise ScanInputError(
+                f"scan_layers: Layer {i} has mismatched keys." + (f" Missing keys: {sorted(missing)}." if missing
+                                                                  else "")
+                + (f" Extra keys: {sorted(extra)}." if extra else "")
+                + ("" if missing or extra else f" Same keys in another order: {list(state)} vs {names}.")
+                + " Scanned layers must have the same parameters and buffers."
+            )
+        specs = _canonical_specs(list(state.values()))
+        for (name, t), spec, ref_spec in zip(state.items(), specs, ref_specs):
+            r = ref[name]
+            if tuple(t.shape) != tuple(r.shape):
+                raise ScanInputError(f"scan_layers: Shape mismatch for '{name}' in layer {i}: expected "
+                                     f"{tuple(r.shape)}, got {tuple(t.shape)} (layers[{i}].{name} has shape "
+                                     f"{tuple(t.shape)} but layers[0].{name} has {tuple(r.shape)})")
+            for what, a, b in (("dtype", t.dtype, r.dtype), ("sharding", spec, ref_spec),
+                               ("requires_grad", t.requires_grad, r.requires_grad)):
+                if a != b:
+                    raise ScanInputError(f"scan_layers: layers[{i}].{name} has {what} {a} but layers[0].{name} "
+                                         f"has {b}; scanned layers must be homogeneous")
+    return names
+
+
+def _value_key(value: object) -> object:
+    """``value`` when it compares by value (numbers, strings, dtypes, tuples of them), else its identity."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, (tuple, list, frozenset)) and len(value) <= 64:
+        return (type(value), tuple(_value_key(v) for v in value))
+    return ("id", id(value))
+
+
+def attribute_key(layer: torch.nn.Module) -> tuple:
+    """The Python attributes of ``layer`` and its submodules (not members, children or hooks), comparable."""
+    items = []
+    for path, module in layer.named_modules():
+        for name, value in vars(module).items():
+            if name.startswith("_"):  # members, children, hooks and other nn.Module bookkeeping
+                continue
+            items.append((path, name, _value_key(value)))
+    return tuple(items)
+
+
+def attribute_groups(layers: Sequence[torch.nn.Module]) -> list[list[int]]:
+    """Indices of the layers whose attributes differ from ``layers[0]``'s, grouped by equal attributes."""
+    keys = [attribute_key(layer) for layer in layers]
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(keys[1:], start=1):
+        if key != keys[0]:
+            groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: int) -> str:
+    """The attributes ``layers[index]`` has that differ from ``layers[0]``'s, for an error message."""
+    a = {(p, n): v for p, n, v in _readable(first)}
+    b = {(p, n): v for p, n, v in _readable(other)}
+    missing = object()
+    diffs = []
+    for p, n in sorted(set(a) | set(b)):
+        va, vb = a.get((p, n), missing), b.get((p, n), missing)
+        if va is missing or vb is missing or _value_key(va) != _value_key(vb):
+            show = [("<missing>" if v is missing else repr(v)) for v in (vb, va)]
+            diffs.append(f"{p + '.' if p else ''}{n} = {show[0]} (layers[0]: {show[1]})")
+    return f"layers[{index}] differs in " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
+
+
+def _readable(layer: torch.nn.Module):
+    for path, module in layer.named_modules():
+        for name, value in vars(module).items():
+            if not name.startswith("_"):
+                yield path, name, value
