@@ -1,0 +1,140 @@
+"""Hugging Face causal LMs trained with fully_shard, with and without scan_decoder_layers, against CPU eager.
+
+Tiny random configs (no download). Every layer and the root are fully
+sharded over 8 devices; AdamW runs 5 steps on batches whose left padding
+(the attention mask) changes every step. The losses must match the same model
+trained on the CPU, no step after the first may move data device->host, and
+no step after the second may compile.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import transformers
+
+import torch_xla_ext as txe
+from torch_xla_ext.distributed import fully_shard
+from torch_xla_ext.hf import ScannedLayers, scan_decoder_layers
+from torch_xla_ext.scan import scan_cache_info
+from torch_xla_ext.testing import measure_transfers
+
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 12, 128
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="eager")
+        return transformers.LlamaForCausalLM(config)
+    config = transformers.GPT2Config(
+        n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.model.layers if hasattr(model, "model") else model.transformer.h
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        for row in range(BATCH):
+            mask[row, :(step + row) % 5] = 0  # left padding, different every step
+        yield ids, mask
+
+
+def _train_step(model, optimizer, ids, mask):
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _compiles() -> int:
+    data = met.metric_data("CompileTime")
+    return data[0] if data else 0
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["loop", "scan"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_fully_sharded_training_matches_cpu_eager(kind, scanned, num_devices):
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    cpu = _model(kind)
+    model = copy.deepcopy(cpu)
+    keys = list(model.state_dict())
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if scanned:
+        assert isinstance(scan_decoder_layers(model), ScannedLayers)
+    assert list(model.state_dict()) == keys
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cpu_optimizer = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    device = torch_xla.device()
+    scans = scan_cache_info()
+    for step, (ids, mask) in enumerate(_batches()):
+        expected = _train_step(cpu, cpu_optimizer, ids, mask).item()
+        ids_d, mask_d = ids.to(device), mask.to(device)
+        torch_xla.sync()
+        compiles = _compiles()
+        with measure_transfers() as moved:
+            loss = _train_step(model, optimizer, ids_d, mask_d)
+            torch_xla.sync()
+        compiled = _compiles() - compiles
+        if step >= 1:
+            assert not moved.device_to_host, (step, moved.report())
+        if step >= 2:
+            assert compiled == 0, f"step {step} compiled {compiled} graphs"
+        assert loss.item() == pytest.approx(expected, rel=1e-5), step
+    after = scan_cache_info()
+    assert (after.traces + after.hits) - (scans.traces + scans.hits) == (STEPS if scanned else 0)
+    if kind == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_scan_decoder_layers_refuses_what_a_scan_cannot_keep(device):
+    model = _model("llama").to(device)
+    stack = scan_decoder_layers(model)
+    ids = torch.randint(0, VOCAB, (2, 6)).to(device)
+    with pytest.raises(txe.ScanInputError, match="KV cache"):
+        model(input_ids=ids, use_cache=True)
+    with pytest.raises(txe.ScanInputError, match="every layer's output"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, output_hidden_states=True)
+    with pytest.raises(txe.ScanInputError, match="already scanned"):
+        scan_decoder_layers(model)
+    # Outside the model's forward the stack is a plain list of the layers.
+    assert len(list(stack)) == 3 and stack[1] is model.model.layers[1]
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        scanned = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert type(stack.unscan()) is torch.nn.ModuleList
+        looped = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(scanned.cpu(), looped.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_scan_decoder_layers_refuses_mixed_layer_kinds_and_unclear_stacks(device):
+    config = transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(txe.ScanInputError, match="mixes layer kinds"):
+        scan_decoder_layers(transformers.Qwen2ForCausalLM(config))
+    two = torch.nn.Module()
+    two.a = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+    two.b = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+    with pytest.raises(txe.ScanInputError, match=r"candidates: \['a', 'b'\]"):
+        scan_decoder_layers(two)
+    assert isinstance(scan_decoder_layers(two, two.b), ScannedLayers)

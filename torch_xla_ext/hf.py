@@ -1,0 +1,220 @@
+"""Hugging Face decoder stacks through ``scan_layers``, without copying the model's forward.
+
+``scan_decoder_layers(model)`` keeps the model as it is (same modules, same
+parameters, same state-dict keys) and changes one thing: while the module
+that owns the decoder layer list runs its forward (``LlamaModel``,
+``GPT2Model``), its loop over the layers
+
+    for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        hidden_states = decoder_layer(hidden_states, attention_mask=..., ...)
+
+runs once, and that one call applies every layer with
+:func:`torch_xla_ext.scan_layers`, passing the arguments the model gave the
+first layer (the mask, the rotary ``position_embeddings``, ...) to all of them.
+Everywhere else (``fully_shard`` per layer, ``model.model.layers[3]``, an
+optimizer, a checkpoint) the list is the usual ``nn.ModuleList``.
+
+Refused with a clear error rather than computed differently: a KV cache
+(``use_cache=True``, ``past_key_values``), requests for every layer's output
+(``output_hidden_states``, ``output_attentions``), and models whose layers get
+different arguments (``config.layer_types`` mixing attention kinds).
+``transformers`` is imported only by the functions that need it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ._scan.errors import ScanInputError
+from ._scan.layers import _scan_layers
+
+__all__ = ["ScannedLayers", "scan_decoder_layers"]
+
+
+class _Options:
+    """What a scanned stack passes to ``scan_layers``, and the forward hooks that mark its owner's forward."""
+
+    def __init__(self, partition_fn: Callable | None, is_layer_pure: bool, handles: list) -> None:
+        self.partition_fn = partition_fn
+        self.is_layer_pure = is_layer_pure
+        self.handles = handles
+        self.local = threading.local()  # .depth: the owner's forwards running on this thread
+
+    def active(self) -> bool:
+        return getattr(self.local, "depth", 0) > 0
+
+
+class ScannedLayers(torch.nn.ModuleList):
+    """A decoder layer list that its owner's forward iterates as one ``scan_layers`` call.
+
+    Made by :func:`scan_decoder_layers` (which changes the class of the
+    model's own ``nn.ModuleList``, so identity, children and state-dict keys
+    stay). Outside the owner's forward it is a plain ``nn.ModuleList``.
+    """
+
+    _txe_scan: _Options
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._txe_scan.active():
+            return iter([_ScanCall(list(self._modules.values()), self._txe_scan)])
+        return super().__iter__()
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice) and self._txe_scan.active():
+            return _ScannedSlice(list(self._modules.values())[idx], self._txe_scan)
+        return super().__getitem__(idx)
+
+    def unscan(self) -> torch.nn.ModuleList:
+        """Make this list a plain ``nn.ModuleList`` again (the model loops over its layers in Python)."""
+        for handle in self._txe_scan.handles:
+            handle.remove()
+        del self._txe_scan
+        self.__class__ = torch.nn.ModuleList
+        return self
+
+
+class _ScannedSlice:
+    """``layers[a:b]`` inside the owner's forward: iterates as one call scanning those layers."""
+
+    def __init__(self, layers: list[torch.nn.Module], options: _Options) -> None:
+        self._layers, self._options = layers, options
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([_ScanCall(self._layers, self._options)] if self._layers else [])
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+class _ScanCall:
+    """Stands for the first layer in the owner's loop; calling it applies all the layers as one scan."""
+
+    def __init__(self, layers: list[torch.nn.Module], options: _Options) -> None:
+        self._layers, self._options = layers, options
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _refuse_per_layer_state(args, kwargs)
+        return _scan_layers(self._layers, hidden_states, args, kwargs, self._options.partition_fn,
+                            self._options.is_layer_pure)
+
+    def __getattr__(self, name: str) -> Any:
+        # The owner's loop reads an attribute of the layer it holds (an attention
+        # kind, an index) to choose that layer's arguments: every layer would get
+        # the first one's. Refuse instead of guessing.
+        raise AttributeError(
+            f"scan_decoder_layers: the model's layer loop reads decoder_layer.{name}; in a scanned stack the loop "
+            f"runs once and every layer gets the arguments chosen for the first, so per-layer arguments are not "
+            f"supported. Undo with model_layers.unscan()."
+        )
+
+
+def _refuse_per_layer_state(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Refuse what a scan cannot keep exact: a KV cache written per layer, per-layer outputs requested."""
+    cache_types: tuple[type, ...] = ()
+    if "transformers.cache_utils" in sys.modules:
+        cache_types = (sys.modules["transformers.cache_utils"].Cache,)
+    values = list(args) + list(kwargs.values())
+    if any(isinstance(v, cache_types) for v in values) or kwargs.get("use_cache") is True:
+        raise ScanInputError(
+            "scan_decoder_layers: the model passes a KV cache to its layers (use_cache=True or past_key_values); "
+            "each layer writes its own entry of the cache, which a scanned stack cannot do. Call the model with "
+            "use_cache=False (training), or undo with model_layers.unscan() for generation."
+        )
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    try:
+        collecting = collector is not None and bool(collector.get())
+    except LookupError:
+        collecting = False
+    if collecting:
+        raise ScanInputError(
+            "scan_decoder_layers: the model was asked for every layer's output (output_hidden_states or "
+            "output_attentions); a scanned stack returns only the last layer's. Call it without them, or undo "
+            "with model_layers.unscan()."
+        )
+
+
+def _find_stack(model: torch.nn.Module) -> str:
+    """The qualified name of the model's decoder layer list: the ``nn.ModuleList`` of one class per hidden layer."""
+    config = getattr(model, "config", None)
+    count = getattr(config, "num_hidden_layers", None)
+    found = [name for name, module in model.named_modules()
+             if type(module) in (torch.nn.ModuleList, ScannedLayers) and len(module) > 0
+             and (count is None or len(module) == count)
+             and len({type(layer) for layer in module}) == 1]
+    if len(found) != 1:
+        raise ScanInputError(
+            f"scan_decoder_layers: cannot tell which nn.ModuleList holds the decoder layers of "
+            f"{type(model).__name__} (candidates: {found or 'none'}); pass it as layers=model.model.layers"
+        )
+    return found[0]
+
+
+def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | None = None, *,
+                        partition_fn: Callable | None = None, is_layer_pure: bool = True) -> ScannedLayers:
+    """Run the decoder layers of a Hugging Face model through :func:`torch_xla_ext.scan_layers`, in place.
+
+    Args:
+      model: a ``transformers`` model (``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+        ...) or any module whose forward loops over an ``nn.ModuleList`` of
+        identical layers as ``h = layer(h, ...)``.
+      layers: that list, when the model holds more than one candidate
+        (default: the one ``nn.ModuleList`` of ``config.num_hidden_layers``
+        layers of one class).
+      partition_fn, is_layer_pure: passed to ``scan_layers``.
+
+    Returns:
+      The same list object, now a :class:`ScannedLayers`; ``.unscan()`` undoes it.
+
+    Parameters, state-dict keys and ``fully_shard`` (before or after this call)
+    are unaffected. The layers must pass :func:`~torch_xla_ext.scan_layers`'
+    checks (one class, equal members, attributes that do not change the
+    computation); the model must be called with ``use_cache=False``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ScanInputError(f"scan_decoder_layers: model must be a torch.nn.Module, got {type(model).__name__}")
+    if partition_fn is not None and not callable(partition_fn):
+        raise ScanInputError(f"scan_decoder_layers: partition_fn must be callable or None, got "
+                             f"{type(partition_fn).__name__}")
+    names = {id(module): name for name, module in model.named_modules()}
+    if layers is None:
+        name = _find_stack(model)
+    elif id(layers) not in names:
+        raise ScanInputError("scan_decoder_layers: layers is not a submodule of model")
+    else:
+        name = names[id(layers)]
+    stack = model.get_submodule(name)
+    if isinstance(stack, ScannedLayers):
+        raise ScanInputError(f"scan_decoder_layers: {name} is already scanned")
+    if type(stack) is not torch.nn.ModuleList or not name:
+        raise ScanInputError(f"scan_decoder_layers: {name or 'model'} must be an nn.ModuleList inside the model, got "
+                             f"{type(stack).__name__}")
+    types = {type(layer).__name__ for layer in stack}
+    if len(types) != 1:
+        raise ScanInputError(f"scan_decoder_layers: {name} holds layers of several classes ({sorted(types)})")
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(set(layer_types)) > 1:
+        raise ScanInputError(
+            f"scan_decoder_layers: {type(model).__name__} mixes layer kinds (config.layer_types = "
+            f"{sorted(set(layer_types))}); its forward gives each kind its own arguments (a sliding-window mask), "
+            f"which one scan over all layers cannot do"
+        )
+    owner = model.get_submodule(name.rpartition(".")[0])
+    options = _Options(partition_fn, is_layer_pure, [])
+
+    def enter(*_):
+        options.local.depth = getattr(options.local, "depth", 0) + 1
+
+    def leave(*_):
+        options.local.depth -= 1
+
+    options.handles += [owner.register_forward_pre_hook(enter),
+                        owner.register_forward_hook(leave, always_call=True)]
+    stack.__class__ = ScannedLayers
+    stack._txe_scan = options
+    return stack
