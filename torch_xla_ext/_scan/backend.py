@@ -8,9 +8,11 @@ choices exist only to keep that code small:
 
 * the **row guard** (:func:`_guard`): every slice a loop reads, every value it
   stores and every gradient ``scan_layers`` hands back goes through
-  ``select(iota(rows) < bound, value, 0)``, ``bound`` an S32 operand always
-  above the row count that is known only at run time, so the copy loops stay
-  loops; unlike arithmetic the select keeps every bit;
+  ``select(iota(rows) < bound, value, 0)``, ``bound`` a value always above the
+  row count that XLA cannot compute at compile time (:func:`runtime_bound`:
+  ``index | 2**30`` of a runtime index already there, the loop counter or a
+  member offset), so the copy loops stay loops; unlike arithmetic the select
+  keeps every bit;
 * **merged stacking layouts** (:func:`~torch_xla_ext._scan.stacking._merged`):
   stacked members with their unsharded dims merged, so each device copies 1-D
   blocks.
@@ -18,8 +20,8 @@ choices exist only to keep that code small:
 :func:`cpu_codegen` turns both on exactly when the XLA device is a CPU; the
 environment variable ``TORCH_XLA_EXT_CPU_CODEGEN`` (``1``/``0``) or
 :func:`forced_cpu_codegen` forces them on or off. On any other backend a loop
-has no bound operand and no select, stacked members keep their shape, and the
-first scan uploads nothing.
+has no select and stacked members keep their shape. The bound is never an
+operand: no backend uploads anything for it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,7 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 
-import torch
-
-from .._xla import torch_xla_device, xla_builder
-from .cache import on_clear
+from .._xla import xla_builder
 
 __all__ = ["CPU_CODEGEN_ENV", "cpu_codegen", "forced_cpu_codegen"]
 
@@ -71,17 +70,30 @@ def forced_cpu_codegen(on: bool) -> Iterator[None]:
         _forced.pop()
 
 
-_BOUND = 2**31 - 1
+#: Rows the guard handles: a bound is ``index | _BOUND_BIT``, at least this.
+_BOUND_BIT = 2**30
+
+
+def runtime_bound(index):
+    """An S32 scalar above every guarded row count, known only at run time.
+
+    ``index`` is an integer scalar the computation reads at run time and that
+    is in ``[0, 2**30)`` (the loop counter, a member offset); XLA does not
+    fold ``index | 2**30``, which lies in ``[2**30, 2**31)``.
+    """
+    xb = xla_builder()
+    value = index.cast(xb.Type.S32) if index.shape().dtype != xb.Type.S32 else index
+    return value | xb.Op.scalar(value.builder(), _BOUND_BIT, dtype=xb.Type.S32)
 
 
 def _guard(bound, sizes: list[int], etype) -> Callable:
     """``value -> select(iota(rows) < bound, value, 0)`` for values of ``sizes``.
 
-    ``bound`` is the S32 scalar :data:`_BOUND`, passed in at run time (see
-    :func:`_bound`); with ``bound=None`` (not :func:`cpu_codegen`), for
-    scalars, and for more rows than an S32 iota counts, the identity.
+    ``bound`` comes from :func:`runtime_bound`; with ``bound=None`` (not
+    :func:`cpu_codegen`), for scalars, and for more rows than the bound
+    covers, the identity.
     """
-    if bound is None or not sizes or sizes[0] > _BOUND:
+    if bound is None or not sizes or sizes[0] >= _BOUND_BIT:
         return lambda value: value
     xb = xla_builder()
     b = bound.builder()
@@ -89,19 +101,3 @@ def _guard(bound, sizes: list[int], etype) -> Callable:
     keep = rows < bound.broadcast(sizes)
     zeros = xb.Op.zero(b, dtype=etype).broadcast(sizes)
     return lambda value: keep.select(value, zeros)
-
-
-_bound_tensors: dict[str, torch.Tensor] = {}
-
-
-def _bound() -> torch.Tensor:
-    """An int32 ``[_BOUND]`` on the XLA device (cached): the runtime bound of :func:`_guard`."""
-    device = str(torch_xla_device())
-    if device not in _bound_tensors:
-        _bound_tensors[device] = torch.tensor([_BOUND], dtype=torch.int32).to(device)
-    return _bound_tensors[device]
-
-
-@on_clear
-def _clear_bound() -> None:
-    _bound_tensors.clear()

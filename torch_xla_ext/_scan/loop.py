@@ -10,7 +10,7 @@ import torch
 
 from ..lowering import LoweringContext
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _bound, _guard, cpu_codegen
+from .backend import _guard, cpu_codegen, runtime_bound
 from .trace import _signature, _Traced
 
 
@@ -24,16 +24,15 @@ class _Groups(NamedTuple):
     outside: list
     constants: list
     seed: Any | None
-    bound: Any | None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """The loop's operand tuple: ``i, *carry, *xs, *ys, *outside, *constants[, seed][, bound]``.
+    """The loop's operand tuple: ``i, *carry, *xs, *ys, *outside, *constants[, seed]``.
 
     ``ys`` are the stacked outputs, written one row per iteration; everything
     after them is loop-invariant. ``seed`` is there when the step draws random
-    numbers, ``bound`` when the loop is lowered with :func:`cpu_codegen`.
+    numbers.
     """
 
     num_carry: int
@@ -42,7 +41,6 @@ class _Layout:
     num_outside: int
     num_constants: int
     has_seed: bool
-    has_bound: bool
 
     def split(self, flat: Sequence[Any]) -> _Groups:
         flat = list(flat)
@@ -51,15 +49,14 @@ class _Layout:
             edges.append(edges[-1] + n)
         rest = flat[edges[-1]:]
         seed = rest.pop(0) if self.has_seed else None
-        bound = rest.pop(0) if self.has_bound else None
         if rest:  # pragma: no cover - the layout and the tuple come from one lowering
             raise RuntimeError(f"scan: internal error: {len(rest)} loop operands beyond the layout {self}")
         groups = [flat[a:b] for a, b in zip(edges, edges[1:])]
-        return _Groups(flat[0], *groups, seed, bound)
+        return _Groups(flat[0], *groups, seed)
 
     def join(self, groups: _Groups) -> list[Any]:
         flat = [groups.i, *groups.carry, *groups.xs, *groups.ys, *groups.outside, *groups.constants]
-        return flat + [g for g, there in ((groups.seed, self.has_seed), (groups.bound, self.has_bound)) if there]
+        return flat + ([groups.seed] if self.has_seed else [])
 
 
 class _Loop(NamedTuple):
@@ -119,7 +116,8 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
             raise RuntimeError(f"scan: HLO parameter {p.number} ({p.name}) is not backed by device data")
     num_params = len(ctx.module.entry_parameters)
     layout = _Layout(len(traced.carry_ph), len(traced.x_ph), len(traced.ys), len(traced.outside_ph), len(constants),
-                     has_seed=seed_id >= 0, has_bound=cpu_codegen())
+                     has_seed=seed_id >= 0)
+    guarded = cpu_codegen()
 
     builder = xb.create_builder(name)
     shapes = [xb.mkshape(xb.Type.S64, ())]
@@ -132,8 +130,6 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     shapes += [xb.tensor_shape(t) for t in constants]
     if layout.has_seed:
         shapes.append(xb.mkshape(xb.Type.S64, ()))
-    if layout.has_bound:
-        shapes.append(xb.mkshape(xb.Type.S32, (1,)))
     operands = [xb.mkparam(builder, k, s) for k, s in enumerate(shapes)]
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
@@ -145,7 +141,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         b = ops.i.builder()
         zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
         idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S64) - ops.i if reverse else ops.i
-        bound = ops.bound.reshape([]) if layout.has_bound else None
+        bound = runtime_bound(ops.i) if guarded else None
         args: list[Any] = [None] * num_params
         slices = [_guard(bound, _sizes(x)[1:], x.shape().dtype)(_slice_op(x, idx, zero)) for x in ops.xs]
         for pid, op in zip(ids, ops.carry + slices + ops.outside):
@@ -195,7 +191,6 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         outside=list(outside),
         constants=list(loop.constants),
         seed=seed,
-        bound=_bound() if layout.has_bound else None,
     )
     out = layout.split(xlac()._xla_user_computation("xla::txe_scan", layout.join(operands), loop.computation))
     return out.carry, out.ys

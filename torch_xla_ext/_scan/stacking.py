@@ -12,7 +12,7 @@ import torch
 from .._annotate import is_replicated_spec
 from .._format import parse_tiled_spec
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _bound, _guard, cpu_codegen
+from .backend import _guard, cpu_codegen, runtime_bound
 from .cache import on_clear
 from .loop import _slice_op
 from .sharding import _apply_shardings, _sharding_of
@@ -138,16 +138,16 @@ def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dt
 
 @functools.lru_cache(maxsize=256)
 def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype, guarded: bool):
-    """``(indices..., stacked[, bound]) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each in ``shape``.
+    """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each in ``shape``.
 
-    ``guarded``: with the runtime ``bound`` of the row guard (see ``backend``).
+    ``guarded``: with the row guard (see ``backend``), its bound from ``indices[0]``.
     """
     xb = xla_builder()
     b = xb.create_builder("txe_unstack")
     etype = xb.Op.from_torch_type(dtype)
     indices = _index_params(b, n)
     stacked = xb.mkparam(b, n, xb.mkshape(etype, (n, *flat)))
-    bound = xb.mkparam(b, n + 1, xb.mkshape(xb.Type.S32, (1,))).reshape([]) if guarded else None
+    bound = runtime_bound(indices[0]) if guarded else None
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
     guard = _guard(bound, list(shape), etype)
     members = [guard(_slice_op(stacked, idx, zero).reshape(list(shape))) for idx in indices]
@@ -170,7 +170,7 @@ def _unstack(stacked: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor
     n = stacked.shape[0]
     guarded = cpu_codegen()
     computation = _unstack_computation(n, shape, tuple(stacked.shape[1:]), stacked.dtype, guarded)
-    operands = [*_indices(n), stacked, *([_bound()] if guarded else [])]
+    operands = [*_indices(n), stacked]
     return list(xlac()._xla_user_computation("xla::txe_unstack", operands, computation))
 
 
