@@ -15,12 +15,16 @@ from torch_xla_ext.__main__ import main
 
 
 def test_demo_runs_on_default_cpu_devices():
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    # Unset as for a user who chose nothing (importing torch_xla here set TF_CPP_MIN_LOG_LEVEL=1).
+    unset = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     proc = subprocess.run(
         [sys.executable, "-m", "torch_xla_ext", "demo", "--layers", "2", "--width", "64", "--steps", "2"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # XLA's C++ warnings are hidden by default (one per SPMD compilation otherwise).
+    assert "GSPMD sharding propagation" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     out = proc.stdout
     assert "8 devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=8" in out
     # The parameter table: one row per HLO parameter, one RNG seed, one input, the rest hoisted weights.
@@ -40,6 +44,17 @@ def test_demo_runs_on_default_cpu_devices():
     assert "every gradient sharded like its parameter: True" in out
     first, last = map(float, re.search(r"^loss (\S+) -> (\S+);", out, re.M).groups())
     assert last < first  # the sharded training steps do update the weights
+
+
+def test_cli_hides_xla_warnings_unless_the_user_set_a_level(monkeypatch):
+    from torch_xla_ext._demo import default_xla_log_level
+
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    default_xla_log_level()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"  # the user's choice, unchanged
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    default_xla_log_level()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"  # INFO and WARNING hidden, ERROR kept
 
 
 def test_audit_reports_a_saved_module(tmp_path, capsys, device):

@@ -7,7 +7,9 @@
 ``audit``  prints the same report for any saved ``xla.HloModuleProto`` file.
 
 This module only parses commands; the demo lives in :mod:`torch_xla_ext._demo`.
-Nothing here imports ``torch_xla``: the demo chooses the PJRT device first.
+Nothing here imports ``torch_xla``: the demo chooses the PJRT device first, and
+every command hides XLA's C++ warnings (``TF_CPP_MIN_LOG_LEVEL=2``) unless
+``TF_CPP_MIN_LOG_LEVEL`` is already set.
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ def _audit(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
-    parser = argparse.ArgumentParser(prog="python -m torch_xla_ext", description=__doc__.splitlines()[0])
+    from ._demo import QUIET_XLA_LOG_LEVEL, default_xla_log_level
+
+    default_xla_log_level()  # before anything imports torch_xla
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_xla_ext", description=__doc__.splitlines()[0],
+        epilog=f"XLA's C++ warnings are hidden (TF_CPP_MIN_LOG_LEVEL={QUIET_XLA_LOG_LEVEL}) unless "
+        "TF_CPP_MIN_LOG_LEVEL is set; TF_CPP_MIN_LOG_LEVEL=0 shows everything.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="lower a sharded MLP and compare host vs device parameter mapping")
     demo.add_argument("--layers", type=int, default=8, help="MLP blocks (default 8)")
