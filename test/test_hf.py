@@ -21,23 +21,23 @@ import transformers
 
 import torch_xla_ext as txe
 from torch_xla_ext.distributed import fully_shard
-from torch_xla_ext.hf import ScannedLayers, scan_decoder_layers
+from torch_xla_ext.hf import ScannedLayers, causal_mask, scan_decoder_layers
 from torch_xla_ext.scan import scan_cache_info
 from torch_xla_ext.testing import measure_transfers
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 12, 128
 
 
-def _model(kind: str) -> torch.nn.Module:
+def _model(kind: str, attention: str = "eager") -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
         config = transformers.LlamaConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="eager")
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation=attention)
         return transformers.LlamaForCausalLM(config)
     config = transformers.GPT2Config(
         n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation=attention)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -138,3 +138,21 @@ def test_scan_decoder_layers_refuses_mixed_layer_kinds_and_unclear_stacks(device
     with pytest.raises(txe.ScanInputError, match=r"candidates: \['a', 'b'\]"):
         scan_decoder_layers(two)
     assert isinstance(scan_decoder_layers(two, two.b), ScannedLayers)
+
+
+def test_sdpa_with_causal_mask_moves_nothing_to_the_host(device):
+    # With a 2-D mask, HF's sdpa mask code reads it on the host; the 4-D mask is used as given.
+    cpu = _model("llama", "sdpa")
+    model = copy.deepcopy(cpu).to(device)
+    scan_decoder_layers(model)
+    ids, mask = next(_batches())
+    expected = cpu(input_ids=ids, attention_mask=causal_mask(mask), use_cache=False).logits
+    ids_d, mask_d = ids.to(device), mask.to(device)
+    torch_xla.sync()
+    with txe.no_host_transfers():
+        logits = model(input_ids=ids_d, attention_mask=causal_mask(mask_d), use_cache=False).logits
+        torch_xla.sync()
+    real = mask.bool()  # rows of padding tokens attend to nothing: their logits are not compared
+    torch.testing.assert_close(logits.cpu()[real], expected[real], rtol=1e-5, atol=1e-5)
+    with pytest.raises(txe.ScanInputError, match=r"\[batch, seq\]"):
+        causal_mask(mask_d[0])

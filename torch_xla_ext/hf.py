@@ -19,6 +19,10 @@ Refused with a clear error rather than computed differently: a KV cache
 (``output_hidden_states``, ``output_attentions``), and models whose layers get
 different arguments (``config.layer_types`` mixing attention kinds).
 ``transformers`` is imported only by the functions that need it.
+
+:func:`causal_mask` builds the 4-D mask that lets ``sdpa`` attention run with
+padding without a device->host read (Hugging Face's mask code reads a 2-D
+mask's values on the host to decide whether it may skip it).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from ._scan.errors import ScanInputError
 from ._scan.layers import _scan_layers
 
-__all__ = ["ScannedLayers", "scan_decoder_layers"]
+__all__ = ["ScannedLayers", "causal_mask", "scan_decoder_layers"]
 
 
 class _Options:
@@ -218,3 +222,20 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
     stack.__class__ = ScannedLayers
     stack._txe_scan = options
     return stack
+
+
+def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The boolean ``[batch, 1, seq, seq]`` mask (True: attend) of a ``[batch, seq]`` padding mask, causal.
+
+    Pass it as ``model(..., attention_mask=causal_mask(mask))``: Hugging Face
+    models use a 4-D mask as given, so neither ``sdpa`` nor ``eager``
+    attention reads the mask on the host (with a 2-D mask ``sdpa`` does, with
+    no mask both do, to detect packed sequences). Built on the mask's device;
+    nothing is transferred.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ScanInputError("causal_mask: attention_mask must be a [batch, seq] tensor of 0/1 (1: a real token), "
+                             f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    seq = attention_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
