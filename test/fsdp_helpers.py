@@ -121,3 +121,22 @@ class TiedAcrossLayers(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8)) for _ in range(4))
         self.layers[3][0].weight = self.layers[0][0].weight
+
+
+# The tiny Hugging Face Llama (test_fsdp_buffers.py, test_fsdp_compile.py): a batch of BATCH x SEQ tokens.
+LLAMA_STEPS, LLAMA_LAYERS, HIDDEN, INTERMEDIATE, VOCAB_LLAMA, BATCH, SEQ = 3, 2, 64, 128, 128, 8, 16
+# Longest accumulation per step: each layer's projections (HIDDEN), attention
+# over the sequence (SEQ), the MLP down projection (INTERMEDIATE) and norms,
+# then the LM head, softmax over the vocabulary and the mean over tokens.
+LLAMA_TOL = tolerance(torch.float32, LLAMA_STEPS * (
+    LLAMA_LAYERS * (4 * HIDDEN + SEQ + INTERMEDIATE) + HIDDEN + VOCAB_LLAMA + BATCH * SEQ))
+
+
+def tiny_llama():
+    """The tiny LlamaForCausalLM on the CPU, initialized from seed 0 (eager attention)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LLAMA_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB_LLAMA, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)

@@ -20,8 +20,15 @@ is applied, so it does not depend on the order of application.
 enclosing ``fully_shard`` neither traverses nor manages it, including any
 ``fully_shard``-ed modules inside it.
 
+Buffers: the buffers of the modules a state manages (not those of nested fully
+sharded or replicated modules) are moved to the XLA device, replicated, as in
+FSDP2; XLA buffers keep their sharding. The tensor objects are swapped, so the
+module attributes, ``named_buffers()`` and other references see the moved
+tensor, and persistence and state dict keys are unchanged (:mod:`._buffers`).
+
 Data movement: sharding parameters that are still on the host uploads them
-once, at ``fully_shard`` time. Forward and backward move nothing to the host.
+once, at ``fully_shard`` time, and so is each host buffer. Forward and backward
+move nothing to the host, and nothing to the device but the inputs.
 
 ``load_state_dict`` keeps the sharding and the bookkeeping, whether it is called
 on a fully sharded module, an ancestor, or a submodule:
@@ -62,6 +69,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ._buffers import check_buffers, managed_buffers, move_buffers
 from ._dynamo import mark_managed
 from ._load import hook_loads
 from ._ownership import fully_sharded_in, plan, survey
@@ -240,12 +248,15 @@ def fully_shard(
         if existing and existing != spec_string(mesh, slot.spec, p):
             raise ValueError(f"{slot.fqn} already has the sharding {existing}, which conflicts with fully_shard's "
                              f"{slot.spec} over the '{axis}' axis; clear it or pass a matching shard_placement_fn")
+    buffers = managed_buffers(found.own, module)
+    check_buffers(buffers)
 
     # Apply: move, shard, annotate gradients, attach the state.
     device = torch_xla.device()
     for slot in slots:
         if applied_spec(slot.param) is None:
             shard_new(slot.param, mesh, slot.spec, device)
+    move_buffers(buffers, device)
     state = FSDPState(mesh, axis, reshard_after_forward, shard_placement_fn, mp_policy, set(ignored))
     register_fsdp(module, state)
     module.__class__ = _fsdp_class(type(module))
