@@ -22,7 +22,7 @@ import torch
 
 from ._xla import xlac
 
-__all__ = ["annotate_sharding", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP",
+__all__ = ["annotate_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP",
            "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace"]
 
 _REPLICATED = ("", "{replicated}")
@@ -132,23 +132,41 @@ _mesh_texts: dict[int, tuple[object, str]] = {}
 
 
 def _mesh_text(mesh) -> str:
-    """``str(mesh)`` (what the op carries), computed once per mesh object."""
+    """``str(mesh)`` (what the op carries), computed once per mesh object; a string is taken as that text.
+
+    Code that ``torch.compile`` traces passes the text (see :func:`mesh_text`):
+    dynamo cannot trace ``str(mesh)`` into a constant.
+    """
+    if isinstance(mesh, str):
+        return mesh
     entry = _mesh_texts.get(id(mesh))
     if entry is None or entry[0] is not mesh:
         entry = _mesh_texts[id(mesh)] = (mesh, str(mesh))
     return entry[1]
 
 
+def mesh_text(mesh) -> str:
+    """The text of a torch_xla ``Mesh`` that :func:`annotate_sharding` accepts in its place.
+
+    Compute it outside ``torch.compile`` (for example when a module is set up)
+    and pass it to code that dynamo traces.
+    """
+    return _mesh_text(mesh)
+
+
 def annotate_sharding(t: torch.Tensor, mesh, spec: tuple, *, recompute_in_backward: bool = False) -> torch.Tensor:
     """``t`` annotated with partition ``spec`` over the torch_xla ``mesh`` (no autograd formula).
 
-    Recorded as the ``txe::annotate_sharding`` op while AOTAutograd traces
-    (inside ``scan``); applied directly to lazy XLA tensors otherwise.
+    ``mesh`` is a ``Mesh`` or its :func:`mesh_text`. Recorded as the
+    ``txe::annotate_sharding`` op while a tracer runs on fake tensors (scan's
+    AOTAutograd trace, ``torch.compile``); applied directly to lazy XLA tensors
+    otherwise. The openxla backend then runs the op on lazy tensors, which
+    applies the annotation in the compiled graph.
     """
     from torch._subclasses.fake_tensor import is_fake
 
     mesh_text, spec_text = _mesh_text(mesh), str(tuple(spec))
-    if is_fake(t):
+    if torch.compiler.is_compiling() or is_fake(t):
         return torch.ops.txe.annotate_sharding(t, mesh_text, spec_text, recompute_in_backward)
     return _annotated(t, mesh_text, spec_text)
 

@@ -19,6 +19,7 @@ nothing to the host.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, in_scan_autograd_trace, shard_activation
+from .._annotate import annotate_sharding, in_scan_autograd_trace, mesh_text, shard_activation
 from ._param import Gather, Regather, axis_size, place, spec_string
 
 __all__ = [
@@ -115,6 +116,9 @@ class FSDPState:
                  shard_placement_fn: Callable | None, mp_policy: MixedPrecisionPolicy,
                  ignored_params: set[nn.Parameter]) -> None:
         self.mesh, self.axis = mesh, axis
+        # What the forward passes instead of the mesh: constants torch.compile can trace.
+        self.mesh_text = mesh_text(mesh)
+        self.axis_size = axis_size(mesh, axis)
         self.reshard_after_forward = reshard_after_forward
         self.shard_placement_fn = shard_placement_fn
         self.mp_policy = mp_policy
@@ -183,12 +187,15 @@ class FSDPState:
                     source = current
                     if mp.param_dtype is not None and source.is_floating_point():
                         source = source.to(mp.param_dtype)
-                    full = Gather.apply(source, self.mesh, slot.spec, mp.reduce_dtype, self.reshard_after_forward)
-                    value = (full, Regather(current, source.dtype, self.mesh, current.dim()))
+                    full = Gather.apply(source, self.mesh_text, slot.spec, mp.reduce_dtype, self.reshard_after_forward)
+                    value = (full, Regather(current, source.dtype, self.mesh_text, current.dim()))
                     gathered[id(current)] = value
                 holder._parameters[slot.name] = value[0]
                 swapped.append((holder, slot.name, current))
-            traced = in_scan_autograd_trace() or _on_fake_tensors(swapped)
+            compiling = torch.compiler.is_compiling()
+            if compiling and self.reshard_after_forward and gathered and torch.is_grad_enabled():
+                _warn_compiled_reshard()
+            traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(swapped)
             if self.reshard_after_forward and gathered and torch.is_grad_enabled() and not traced:
                 packed = {id(full): (full, regather) for full, regather in gathered.values()}
 
@@ -215,10 +222,26 @@ class FSDPState:
 
     def _shard_batch(self, t: torch.Tensor) -> torch.Tensor:
         if (t.device.type != "xla" or not t.is_floating_point() or t.dim() == 0
-                or t.shape[0] % axis_size(self.mesh, self.axis)):
+                or t.shape[0] % self.axis_size):
             return t
         spec = (self.axis,) + (None,) * (t.dim() - 1)
-        return shard_activation(t, self.mesh, spec) if t.requires_grad else annotate_sharding(t, self.mesh, spec)
+        if t.requires_grad:
+            return shard_activation(t, self.mesh_text, spec)
+        return annotate_sharding(t, self.mesh_text, spec)
+
+
+_COMPILED_RESHARD = (
+    "fully_shard(reshard_after_forward=True) under torch.compile: AOTAutograd's partitioner decides what the "
+    "compiled forward saves for the backward, and it saves the gathered (unsharded) parameters instead of "
+    "gathering them again in the backward. Values and gradients are the same; the memory is that of "
+    "reshard_after_forward=False. Run the model without torch.compile (lazy tensors) to reshard after forward.")
+
+
+@torch._dynamo.assume_constant_result
+def _warn_compiled_reshard() -> bool:
+    """Warn that a compiled forward keeps gathered parameters; dynamo runs it while tracing (a constant to it)."""
+    warnings.warn(_COMPILED_RESHARD, UserWarning, stacklevel=2)
+    return True
 
 
 def _on_fake_tensors(swapped: list[tuple[nn.Module, str, Any]]) -> bool:

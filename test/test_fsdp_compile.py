@@ -1,0 +1,98 @@
+"""torch.compile(backend="openxla") of a fully sharded model: no graph break, the eager (lazy) model's training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+from torch_xla_ext.distributed import fully_shard
+
+from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import (BATCH, FSDP8, FSDP8_1D, LLAMA_STEPS, LLAMA_TOL, SEQ, STEPS, TRAIN_TOL, VOCAB_LLAMA, batch,
+                          loss_fn, shard_decoder, spec, tiny_decoder, tiny_llama)
+
+# Two XLA evaluations of the same training steps (one graph per step, or the
+# compiled forward and backward graphs): the tiny decoder's bound applies.
+COMPILED_TOL = TRAIN_TOL
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _train(model, run, tx, gx, steps=STEPS):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(run, tx, gx)
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+        losses.append(loss.detach().cpu())
+    return torch.stack(losses)
+
+
+def test_fully_sharded_forward_has_no_graph_break(device, mesh):
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh)
+    (_, _), (tx, _) = batch(device, mesh)
+    explained = torch._dynamo.explain(model)(tx)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph", "fullgraph"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_compiled_fully_sharded_model_trains_like_the_eager_one(device, mesh, fullgraph, reshard_after_forward):
+    reference = tiny_decoder(use_scan=False)
+    eager = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
+    model = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
+    (_, _), (tx, gx) = batch(device, mesh)
+    compiled = torch.compile(model, backend="openxla", fullgraph=fullgraph)
+    expected = _train(eager, eager, tx, gx)
+    if reshard_after_forward:
+        with pytest.warns(UserWarning, match="reshard_after_forward=True. under torch.compile"):
+            losses = _train(model, compiled, tx, gx)
+    else:
+        losses = _train(model, compiled, tx, gx)
+    torch.testing.assert_close(losses, expected, **COMPILED_TOL)
+    for (name, p), (_, e) in zip(model.named_parameters(), eager.named_parameters()):
+        expected_spec = FSDP8 if p.dim() == 2 else FSDP8_1D
+        assert spec(p) == expected_spec and spec(p.grad) == expected_spec, name
+        torch.testing.assert_close(p.cpu(), e.cpu(), **COMPILED_TOL, msg=name)
+
+
+def test_compiled_tiny_llama_trains_like_the_eager_one(device, mesh):
+    reference = tiny_llama()
+    models = []
+    for _ in range(2):
+        m = copy.deepcopy(reference)
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        models.append(fully_shard(m, mesh=mesh, reshard_after_forward=False))
+    eager, model = models
+    tokens = torch.randint(0, VOCAB_LLAMA, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
+    xs.mark_sharding(tokens, mesh, ("fsdp", None))
+    torch_xla.sync()
+    compiled = torch.compile(model, backend="openxla", fullgraph=True)
+
+    def train(m, run):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for _ in range(LLAMA_STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss = run(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            torch_xla.sync()
+            losses.append(loss.detach().cpu())
+        return torch.stack(losses)
+
+    torch.testing.assert_close(train(model, compiled), train(eager, eager), **LLAMA_TOL)
