@@ -85,6 +85,7 @@ from ._transfer.attribution import RUNNING_WAIT_S, Attribution, attribute
 from ._transfer.calls import Call
 from ._transfer.explicit import InterceptMode, describe
 from ._transfer.metrics import D2H, H2D, Snapshot, TransferStats, read_snapshot, read_stats
+from ._transfer.tracebacks import hide_from_pytest
 
 __all__ = [
     "HostTransferError",
@@ -98,6 +99,11 @@ __all__ = [
 
 # Public home of the stats record (what help(), reprs of the class and pickles name).
 TransferStats.__module__ = __name__
+
+# pytest leaves this module's frames out of a HostTransferError's traceback (see
+# torch_xla_ext._transfer.tracebacks; the pytest plugin also drops torch's frames
+# between the user's call and the guard).
+__tracebackhide__ = hide_from_pytest
 
 Mode = Literal["allow", "log", "disallow"]
 _MODES: tuple[str, ...] = ("allow", "log", "disallow")

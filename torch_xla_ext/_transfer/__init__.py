@@ -8,6 +8,8 @@
   thread and records who read what, and when.
 * :mod:`.attribution` matches a block's metric samples against other
   threads' recorded calls.
+* :mod:`.tracebacks` keeps the guard's own frames out of the tracebacks of
+  the ``HostTransferError`` it raises (for pytest and its plugin).
 
 The guard itself (frames, nesting, the verdict) is
 :mod:`torch_xla_ext.transfer_guard`.

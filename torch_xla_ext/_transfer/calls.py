@@ -23,6 +23,10 @@ import torch
 
 from .explicit import COPY_, TO, classify, is_xla, register_stand_in
 from .metrics import D2H
+from .tracebacks import hide_from_pytest
+
+# pytest leaves this module's frames out of a HostTransferError's traceback.
+__tracebackhide__ = hide_from_pytest
 
 OBSERVED_METHODS: tuple[str, ...] = (
     "cpu", "to", "copy_", "numpy", "item", "tolist", "is_nonzero", "equal", "allclose",

@@ -18,6 +18,10 @@ from torch.overrides import TorchFunctionMode
 
 from .._xla import xlac
 from .metrics import D2H, H2D
+from .tracebacks import hide_from_pytest
+
+# pytest leaves this module's frames out of a HostTransferError's traceback.
+__tracebackhide__ = hide_from_pytest
 
 _T = torch.Tensor
 # Methods/functions that always read an XLA tensor's data to the host.
