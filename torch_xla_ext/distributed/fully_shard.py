@@ -30,6 +30,13 @@ Data movement: sharding parameters that are still on the host uploads them
 once, at ``fully_shard`` time, and so is each host buffer. Forward and backward
 move nothing to the host, and nothing to the device but the inputs.
 
+``torch.compile(model, backend="openxla")`` traces a fully sharded forward
+without graph breaks (``fullgraph=True`` works): the gathers and gradient
+shardings are recorded as the ``txe::annotate_sharding`` op, which the backend
+applies to its lazy tensors. The partitioner decides what the compiled forward
+saves, so ``reshard_after_forward=True`` keeps the gathered parameters for the
+backward there (a ``UserWarning`` says so when dynamo traces the forward).
+
 ``load_state_dict`` keeps the sharding and the bookkeeping, whether it is called
 on a fully sharded module, an ancestor, or a submodule:
 
