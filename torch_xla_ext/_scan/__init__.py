@@ -19,6 +19,7 @@ layered; each module holds one idea and imports only the ones above it:
 ``homogeneous`` whether layers can share one traced step (members, attributes).
 ``layers``    ``scan_layers`` on top of ``api``, ``homogeneous`` and ``stacking``.
 ``errors``    ``ScanInputError``, raised for bad arguments before anything runs.
+``dynamo``    scans refuse to run inside ``torch.compile`` (and why).
 
 Every call traces ``fn`` (host-side, cheap); a lowered loop is reused only for
 a trace with the same fingerprint, so no call reads a stale value.

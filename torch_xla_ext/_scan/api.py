@@ -14,6 +14,7 @@ from ..lowering import _require_xla_tensor
 from .autograd import _GradPlan, _ScanFunction
 from .backend import cpu_codegen
 from .cache import _cached_plan, _Plan
+from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
@@ -82,6 +83,7 @@ def _make_plan(step: Callable, traced: _Traced, init: list[torch.Tensor], xs: li
     return plan
 
 
+@refused_under_compile
 def scan(
     fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     init: PyTree,
@@ -149,7 +151,8 @@ def scan(
       ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.
       Everything stays on the device; nothing is copied to the host. Random
       ops in ``fn`` draw different numbers in each iteration, reproducibly
-      under ``torch.manual_seed``.
+      under ``torch.manual_seed``. Inside ``torch.compile`` it raises
+      (see ``_scan/dynamo.py``).
     """
     if not callable(fn):
         raise ScanInputError(f"scan: fn must be callable, got {type(fn).__name__}")

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from .api import _scan_flat
 from .cache import on_clear
+from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .homogeneous import attribute_groups, attribute_key, check_members, describe_difference, layer_state
 from .lift import ValueIdentity
@@ -211,6 +212,7 @@ def scan_layers(
     return _scan_layers(layers, input_data, (), layer_kwargs, partition_fn, is_layer_pure)
 
 
+@refused_under_compile
 def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | tuple[torch.Tensor, ...],
                  args: tuple, kwargs: dict[str, Any], partition_fn: Callable | None,
                  is_layer_pure: bool) -> torch.Tensor | tuple[torch.Tensor, ...]:
