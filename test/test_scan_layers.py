@@ -89,7 +89,7 @@ def test_scan_layers_rejects_heterogeneous_layers(device, mesh_1d):
     layers = make_blocks(3).to(device)
     x = torch.randn(2, 16).to(device)
     mixed = [layers[0], torch.nn.Linear(16, 16).to(device)]
-    with pytest.raises(ValueError, match=r"layers\[1\] is a Linear"):
+    with pytest.raises(ValueError, match=r"Layer 1 has mismatched keys"):
         txe.scan_layers(mixed, x)
     wide = make_blocks(1, hidden=48).to(device)[0]
     with pytest.raises(ValueError, match=r"layers\[2\].up.weight has shape \(48, 16\)"):

@@ -212,5 +212,10 @@ def test_heterogeneous_layers_raise_valueerror_worded_as_torch_xla(device):
     extra.register_buffer("step", torch.zeros((), device=device))
     with pytest.raises(ValueError, match=r"Layer 1 has mismatched keys. Extra keys: \['step'\]"):
         txe.scan_layers([layers[0], extra], h)
-    with pytest.raises(ValueError, match=r"layers\[1\] is a Linear"):
-        txe.scan_layers([layers[0], torch.nn.Linear(DIM, DIM).to(device)], h)
+    other = type("OtherAttention", (Attention,), {})(1).to(device)  # the same keys, another class
+    with pytest.raises(ValueError, match=r"layers\[1\] is a OtherAttention but layers\[0\] is a Attention"):
+        txe.scan_layers([layers[0], other], h)
+    # Another class with other keys: the keys are named first, as torch_xla does.
+    linear = torch.nn.Linear(DIM, DIM).to(device)
+    with pytest.raises(ValueError, match=r"Layer 1 has mismatched keys. Missing keys: \['bias', 'weight'\]"):
+        txe.scan_layers([linear, torch.nn.Sequential(copy.deepcopy(linear))], torch.zeros(DIM, device=device))

@@ -47,9 +47,7 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
                                 f"device first (layers.to(torch_xla.device()))")
     ref_specs = _canonical_specs(list(ref.values()))
     for i, (layer, state) in enumerate(zip(layers[1:], states[1:]), start=1):
-        if type(layer) is not type(first):
-            raise ScanInputError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
-                                 f"{type(first).__name__}; all layers must be of one class")
+        # Keys first, as torch_xla's scan_layers checks them (its tests match "mismatched keys").
         if list(state) != names:
             missing, extra = set(names) - set(state), set(state) - set(names)
             raise ScanInputError(
@@ -59,6 +57,9 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
                 + ("" if missing or extra else f" Same keys in another order: {list(state)} vs {names}.")
                 + " Scanned layers must have the same parameters and buffers."
             )
+        if type(layer) is not type(first):
+            raise ScanInputError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
+                                 f"{type(first).__name__}; all layers must be of one class")
         specs = _canonical_specs(list(state.values()))
         for (name, t), spec, ref_spec in zip(state.items(), specs, ref_specs):
             r = ref[name]
