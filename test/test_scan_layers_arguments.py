@@ -201,6 +201,29 @@ def test_per_layer_attributes_are_accepted_only_when_they_trace_the_same(device)
         txe.scan_layers(drop, h.to(device))
 
 
+def _traces_held(error: BaseException) -> list[str]:
+    """Frames of ``error``'s traceback whose locals still hold a trace (lazy tensors over placeholders)."""
+    from torch_xla_ext._scan.trace import _Traced
+
+    held, tb = [], error.__traceback__
+    while tb is not None:
+        for name, value in tb.tb_frame.f_locals.items():
+            if isinstance(value, _Traced):
+                held.append(f"{tb.tb_frame.f_code.co_name}: {name}")
+        tb = tb.tb_next
+    return held
+
+
+def test_a_refusal_keeps_no_trace_alive(device):
+    # A kept exception (pytest.raises, sys.last_traceback) must not keep lazy
+    # tensors over placeholders alive: the next torch_xla.sync() would run them.
+    layers = _layers().to(device)
+    layers[1].scale = 0.25
+    with pytest.raises(ValueError, match="differs in") as info:
+        txe.scan_layers(layers, torch.zeros(2, 5, DIM, device=device))
+    assert _traces_held(info.value) == []
+
+
 def test_heterogeneous_layers_raise_valueerror_worded_as_torch_xla(device):
     layers = _layers().to(device)
     h = torch.zeros(2, 5, DIM, device=device)

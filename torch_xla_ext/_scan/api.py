@@ -18,7 +18,7 @@ from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
-from .trace import _signature, _trace, _Traced
+from .trace import _signature, _trace, _Traced, clear_frame_locals
 
 PyTree = Any
 
@@ -221,36 +221,43 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     carry_sig = [_signature(t) for t in init_l]
     x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
     traced = _trace(step, carry_sig, x_sig)
-    if check_traced is not None:
-        check_traced(traced, lambda other: _trace(_flat_step(other, init_spec, x_spec, {}), carry_sig, x_sig))
-    n_c = len(init_l)
-    written = [k - n_c for k in traced.mutated if k >= n_c] if check_written is not None else []
-    if written:
-        check_written(written)
-        step = _with_written_xs(step, written)
-        traced = _trace(step, carry_sig, x_sig)
-    outside = traced.outside
-    specs = tuple(_canonical_specs(init_l + xs_l + outside))
-    key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
-           tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
-           partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint, extra_key)
-    plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
-                        pure)
-    if length == 0:
-        carry_l = init_l
-        device = torch_xla_device()
-        ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
-    elif plan.grad is not None:
-        outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *outside)
-        carry_l, ys_l = list(outs[:n_c]), list(outs[n_c:])
-    else:
-        carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, outside)
-    if length:
-        _shard_like(carry_l, init_l)
-    updated = dict(zip(written, ys_l[len(ys_l) - len(written):]))
-    stacked = iter(ys_l[:len(ys_l) - len(written)])
-    ys_full = [None if none else next(stacked) for none in found["y_none"]]
-    return carry_l, (ys_full, found["y_spec"]), updated
+    try:
+        n_c = len(init_l)
+        if check_traced is not None:
+            check_traced(traced, lambda other: _trace(_flat_step(other, init_spec, x_spec, {}), carry_sig, x_sig))
+        written = [k - n_c for k in traced.mutated if k >= n_c] if check_written is not None else []
+        if written:
+            check_written(written)
+            step = _with_written_xs(step, written)
+            traced = _trace(step, carry_sig, x_sig)
+        outside = traced.outside
+        specs = tuple(_canonical_specs(init_l + xs_l + outside))
+        key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
+               tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
+               partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint, extra_key)
+        plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
+                            pure)
+        if length == 0:
+            carry_l = init_l
+            device = torch_xla_device()
+            ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
+        elif plan.grad is not None:
+            outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *outside)
+            carry_l, ys_l = list(outs[:n_c]), list(outs[n_c:])
+        else:
+            carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, outside)
+        if length:
+            _shard_like(carry_l, init_l)
+        updated = dict(zip(written, ys_l[len(ys_l) - len(written):]))
+        stacked = iter(ys_l[:len(ys_l) - len(written)])
+        ys_full = [None if none else next(stacked) for none in found["y_none"]]
+        return carry_l, (ys_full, found["y_spec"]), updated
+    except BaseException as error:
+        # A refusal or a failure must not keep this call's trace (lazy tensors
+        # over placeholders) alive in this frame or the ones below.
+        traced = step = None
+        clear_frame_locals(error)
+        raise
 
 
 def _with_written_xs(step: Callable, written: list[int]) -> Callable:

@@ -80,13 +80,26 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
     try:
         return _trace_on_placeholders(step, carry, x, outside)
     except BaseException as error:
-        seen: set[int] = set()
-        chained: BaseException | None = error
-        while chained is not None and id(chained) not in seen:
-            seen.add(id(chained))
-            traceback.clear_frames(chained.__traceback__)
-            chained = chained.__cause__ or chained.__context__
+        clear_frame_locals(error)
         raise
+
+
+def clear_frame_locals(error: BaseException) -> None:
+    """Clear the locals of the frames ``error`` (and the exceptions chained to it) passed through.
+
+    Frames of a trace hold lazy tensors over placeholders; an exception kept
+    alive (a test's ``pytest.raises``, ``sys.last_traceback``, or only a
+    reference cycle not yet collected) would keep them alive, and the next
+    ``torch_xla.sync()`` would try to run them. The traceback still names
+    every file and line. The frame that handles ``error`` is still running
+    and keeps its locals: it must drop its own references before re-raising.
+    """
+    seen: set[int] = set()
+    chained: BaseException | None = error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
 
 
 def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
