@@ -32,7 +32,7 @@ def test_the_cpu_device_turns_the_choices_on(device):
 def test_scan_lowers_the_guard_only_for_xla_cpu_and_uploads_nothing(device, on):
     clear_scan_cache()
     init, xs_ = torch.ones(4, device=device), torch.full((3, 4), 0.5, device=device)
-    torch_xla.sync()
+    torch_xla.sync(wait=True)  # init and xs as device data, their computation finished
     with forced_cpu_codegen(on), measure_transfers() as moved:
         carry, ys = txe.scan(_step, init, xs_)  # the first scan after clearing the cache
     assert moved.stats.h2d_transfers == 0 and not moved.device_to_host, moved.report()
