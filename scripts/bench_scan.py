@@ -10,6 +10,10 @@ for each L:
              (its SPMD backward needs torchax, which needs flax; skipped with
              a note when they are missing)
   jax        the same model in JAX with jax.lax.scan over stacked weights
+  ours_nothing, ours_dots
+             ours with the remat policies torch_xla_ext.remat.nothing_saveable
+             (the forward stacks only each layer's input) and dots_saveable
+             (it also keeps matmul outputs)
 
 Per (method, L) it measures
 
@@ -26,6 +30,10 @@ Per (method, L) it measures
             step start to just before ``torch_xla.sync()``). JAX has no
             per-step tracing once jitted; its column shows the one-off
             ``jit(...).trace()`` + ``.lower()`` time instead.
+  memory    with ``--memory``: device memory of the compiled training step,
+            per device, from XLA's buffer assignment (see
+            ``scripts/xla_memory.py``; the same for torch_xla and JAX). Dumping
+            slows compiles, so that run's compile column is not comparable.
 
 and prints a table with absolute numbers and ratios vs the unrolled loop of
 the same run, the target checks, a numerics check (outputs and gradients of
@@ -58,6 +66,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # client ignores it (it uses CPU_NUM_DEVICES), so both run in this process.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import xla_memory  # noqa: E402
+
+# XLA reads its dump flags when it starts: decide before importing torch_xla or JAX.
+MEMORY_DIR = xla_memory.enable("bench_out/xla_dump") if "--memory" in sys.argv else None
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -72,7 +85,7 @@ xr.use_spmd()
 torch.zeros(1, device=torch_xla.device())  # size autograd's device queues before any backward
 
 NUM_DEVICES = 8
-METHODS = ("unrolled", "ours", "torch_xla", "jax")
+METHODS = ("unrolled", "ours", "ours_nothing", "ours_dots", "torch_xla", "jax")
 
 
 # --------------------------------------------------------------------------- #
@@ -150,6 +163,8 @@ class Result:
     trace_ms: float = float("nan")
     nodes: int | None = None        # IR nodes of the synced graph
     d2h: int | None = None          # device->host transfers during steady steps
+    mem_bytes: int | None = None    # --memory: the compiled step's buffer assignment, per device
+    mem_mib: float = float("nan")
     note: str = ""
     samples: dict = field(default_factory=dict)
 
@@ -189,7 +204,10 @@ class TorchRunner:
         return t1 - t0, t2 - t0
 
     def first(self, warmup: int) -> None:
+        programs = xla_memory.Programs(MEMORY_DIR) if MEMORY_DIR else None
         _, self.res.first_s = self._step()
+        if programs is not None:
+            self.res.mem_bytes = programs.largest()
         for _ in range(warmup):
             self._step()
 
@@ -217,10 +235,10 @@ def fwd_unrolled(layers, x):
     return x
 
 
-def make_fwd_ours():
+def make_fwd_ours(partition_fn=None):
     import torch_xla_ext
 
-    return lambda layers, x: torch_xla_ext.scan_layers(layers, x)
+    return lambda layers, x: torch_xla_ext.scan_layers(layers, x, partition_fn)
 
 
 def make_fwd_torch_xla():
@@ -297,11 +315,14 @@ class JaxRunner:
 
     def first(self, warmup: int) -> None:
         jax = self.jax
+        programs = xla_memory.Programs(MEMORY_DIR) if MEMORY_DIR else None
         t0 = time.perf_counter()
         lowered = self.step.trace(self.params, self.x).lower()
         t1 = time.perf_counter()
         self.compiled = lowered.compile()
         t2 = time.perf_counter()
+        if programs is not None:
+            self.res.mem_bytes = programs.largest()
         jax.block_until_ready(self.compiled(self.params, self.x))
         t3 = time.perf_counter()
         self.res.trace_ms, self.res.compile_s, self.res.compiles = (t1 - t0) * 1e3, t2 - t1, 1
@@ -380,8 +401,8 @@ def ratio(a: float, b: float) -> float:
 
 
 def print_table(results: dict[tuple[str, int], Result], layer_counts: list[int], methods: list[str]) -> None:
-    head = (f"{'method':<10} {'L':>3} | {'compile s':>9} {'x unrl':>6} {'#':>2} | {'first s':>7} | {'step ms':>8} "
-            f"{'x unrl':>6} | {'trace ms':>8} {'x unrl':>6} | {'IR nodes':>8} {'d2h':>4}")
+    head = (f"{'method':<12} {'L':>3} | {'compile s':>9} {'x unrl':>6} {'#':>2} | {'first s':>7} | {'step ms':>8} "
+            f"{'x unrl':>6} | {'trace ms':>8} {'x unrl':>6} | {'IR nodes':>8} {'d2h':>4} | {'mem MiB':>7} {'x unrl':>6}")
     print(head)
     print("-" * len(head))
     for n in layer_counts:
@@ -391,21 +412,24 @@ def print_table(results: dict[tuple[str, int], Result], layer_counts: list[int],
             if r is None:
                 continue
             if r.note.startswith("error"):
-                print(f"{m:<10} {n:>3} | {r.note}")
+                print(f"{m:<12} {n:>3} | {r.note}")
                 continue
             rc = ratio(r.compile_s, base.compile_s) if base else float("nan")
             rs = ratio(r.step_ms, base.step_ms) if base else float("nan")
             rt = ratio(r.trace_ms, base.trace_ms) if base and m != "jax" else float("nan")
+            mem = r.mem_bytes / 2**20 if r.mem_bytes else float("nan")
+            rm = ratio(r.mem_bytes or float("nan"), base.mem_bytes or float("nan")) if base else float("nan")
             trace = fmt(r.trace_ms, "8.2f") + ("*" if m == "jax" else " ")
-            print(f"{m:<10} {n:>3} | {fmt(r.compile_s, '9.3f')} {fmt(rc, '6.2f')} {fmt(r.compiles, '2d')} | "
+            print(f"{m:<12} {n:>3} | {fmt(r.compile_s, '9.3f')} {fmt(rc, '6.2f')} {fmt(r.compiles, '2d')} | "
                   f"{fmt(r.first_s, '7.2f')} | {fmt(r.step_ms, '8.2f')} {fmt(rs, '6.2f')} | {trace:>9}{fmt(rt, '6.2f')} | "
-                  f"{fmt(r.nodes, '8d')} {fmt(r.d2h, '4d')}")
+                  f"{fmt(r.nodes, '8d')} {fmt(r.d2h, '4d')} | {fmt(mem, '7.2f')} {fmt(rm, '6.2f')}")
         print()
     print("compile: CompileTime metric delta over all steps of the run (jax: .compile()), #: number of")
     print("compilations (1 = only the first step compiled); first: wall time of step 1;")
     print("step: median fwd+bwd+sync+wait; trace: median host time until the lazy graph is built, before sync;")
     print("* jax: one-off jit(...).trace()+lower() time (no per-step tracing once compiled);")
-    print("IR nodes: TensorsGraphSize of the steady step's graph; d2h: device->host transfers in steady steps.")
+    print("IR nodes: TensorsGraphSize of the steady step's graph; d2h: device->host transfers in steady steps;")
+    print("mem (--memory): the compiled step's buffer assignment per device, from XLA's dump (scripts/xla_memory.py).")
 
 
 def targets(results, layer_counts: list[int]) -> list[tuple[str, str, str]]:
@@ -463,11 +487,17 @@ def plot(results, layer_counts: list[int], methods: list[str], path: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     panels = [("compile_s", "XLA compile time (s)"), ("step_ms", "steady step time (ms)"),
               ("trace_ms", "host tracing per step (ms)")]
-    styles = {"unrolled": "o-", "ours": "s-", "torch_xla": "^-", "jax": "d--"}
-    colors = {"unrolled": "C0", "ours": "C1", "torch_xla": "C2", "jax": "C3"}
+    if any(r.mem_bytes for r in results.values()):
+        panels.append(("mem_mib", "compiled step memory per device (MiB)"))
+        for r in results.values():
+            r.mem_mib = r.mem_bytes / 2**20 if r.mem_bytes else float("nan")
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.8 * (len(panels) + 1), 4.4))
+    styles = {"unrolled": "o-", "ours": "s-", "ours_nothing": "s--", "ours_dots": "s-.", "torch_xla": "^-",
+              "jax": "d--"}
+    colors = {"unrolled": "C0", "ours": "C1", "ours_nothing": "C4", "ours_dots": "C5", "torch_xla": "C2",
+              "jax": "C3"}
     for ax, (attr, title) in zip(axes, panels):
         for m in methods:
             if attr == "trace_ms" and m == "jax":
@@ -477,7 +507,7 @@ def plot(results, layer_counts: list[int], methods: list[str], path: str) -> Non
             if pts:
                 ax.plot(*zip(*pts), styles[m], color=colors[m], label=m)
         ax.set_title(title)
-    ax = axes[3]
+    ax = axes[-1]
     for m in methods:
         if m == "unrolled":
             continue
@@ -516,6 +546,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: L = 2 4, 2 steps")
     ap.add_argument("--out", default="bench_out/bench_scan.png", help="PNG plot path")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--memory", action="store_true",
+                    help="measure each compiled step's device memory from XLA's buffer assignment (slows compiles)")
     ap.add_argument("--check-layers", type=int, default=None,
                     help="L for the numerics check (default: the smallest L run)")
     args = ap.parse_args()
@@ -530,7 +562,11 @@ def main() -> int:
     notes = []
     fwds: dict[str, Callable] = {"unrolled": fwd_unrolled}
     try:
+        from torch_xla_ext import remat
+
         fwds["ours"] = make_fwd_ours()
+        fwds["ours_nothing"] = make_fwd_ours(remat.nothing_saveable)
+        fwds["ours_dots"] = make_fwd_ours(remat.dots_saveable)
     except Exception as e:  # the subject of the benchmark: nothing to compare without it
         print(f"cannot import torch_xla_ext ({type(e).__name__}: {e}); install the package first", file=sys.stderr)
         return 2
