@@ -160,11 +160,19 @@ class Wrong(torch.nn.Module):
         return self.lin(h), None
 
 
+class Boxed(Wrong):
+    def forward(self, h):
+        return (self.lin(h),)
+
+
 def test_a_layer_returning_something_else_is_named_with_what_came_back(device):
     layers = torch.nn.ModuleList(Wrong() for _ in range(2)).to(device)
     with pytest.raises(ValueError, match=r"Wrong.forward returned tuple of 2 \(Tensor\(2, 8\) float32, "
                                          r"NoneType\) for the input Tensor\(2, 8\) float32"):
         txe.scan_layers(layers, torch.zeros(2, DIM, device=device))
+    boxed = torch.nn.ModuleList(Boxed() for _ in range(2)).to(device)  # (h,) for h: the loop would pass a tuple on
+    with pytest.raises(txe.ScanInputError, match=r"Boxed.forward returned tuple of 1 \(Tensor\(2, 8\) float32\)"):
+        txe.scan_layers(boxed, torch.zeros(2, DIM, device=device))
     pairs = torch.nn.ModuleList(Pair() for _ in range(2)).to(device)
     with pytest.raises(txe.ScanInputError, match=r"Pair.forward returned tuple of 2 .* for the input tuple of 3"):
         txe.scan_layers(pairs, tuple(torch.zeros(2, DIM, device=device) for _ in range(3)))

@@ -62,8 +62,12 @@ def _describe(value: object) -> str:
 
 def _check_output(template: torch.nn.Module, carry: tuple, out: object, single: bool) -> tuple:
     """``out`` as a tuple of tensors matching ``carry``; raise naming the layer class and what came back."""
-    got = (out,) if single and isinstance(out, torch.Tensor) else out
-    ok = (isinstance(got, (tuple, list)) and len(got) == len(carry)
+    # A tensor for a tensor, a tuple for a tuple: the loop passes the output on as the next input.
+    if single:
+        got = (out,) if isinstance(out, torch.Tensor) else None
+    else:
+        got = tuple(out) if isinstance(out, (tuple, list)) else None
+    ok = (got is not None and len(got) == len(carry)
           and all(isinstance(o, torch.Tensor) and o.shape == c.shape and o.dtype == c.dtype
                   for o, c in zip(got, carry)))
     if not ok:
