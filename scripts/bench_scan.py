@@ -115,6 +115,43 @@ def build(cfg: Config, num_layers: int, seed: int = 0):
     return cpu_layers, x_cpu, host
 
 
+def build_llama(cfg: Config, num_layers: int, seed: int = 0):
+    """Hugging Face Llama decoder layers of the same width (GQA, RMSNorm, rotary embeddings, SwiGLU), a host input,
+    and the rotary embedding module whose (cos, sin) every layer receives as ``position_embeddings``."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.mlp * cfg.dim, num_attention_heads=cfg.heads,
+                         num_key_value_heads=max(1, cfg.heads // 2), num_hidden_layers=num_layers, vocab_size=128,
+                         max_position_embeddings=cfg.seq, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    cpu_layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(num_layers))
+    x_cpu = torch.randn(cfg.batch, cfg.seq, cfg.dim)
+    return cpu_layers, x_cpu, LlamaRotaryEmbedding(config)
+
+
+def llama_forwards(rotary: nn.Module, partition_fns: dict[str, Callable | None]) -> dict[str, Callable]:
+    """The loop and scan_layers over Llama layers, each computing (cos, sin) from ``rotary`` in the step's graph."""
+    import torch_xla_ext
+
+    rotary = rotary.to(torch_xla.device())
+
+    def rope(x):
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        return rotary(x, positions)
+
+    def unrolled(layers, x):
+        pe = rope(x)
+        for layer in layers:
+            x = layer(x, position_embeddings=pe)
+        return x
+
+    def scanned(partition_fn):
+        return lambda layers, x: torch_xla_ext.scan_layers(layers, x, partition_fn, position_embeddings=rope(x))
+
+    return {"unrolled": unrolled, **{m: scanned(fn) for m, fn in partition_fns.items()}}
+
+
 def place(cpu_layers: nn.ModuleList, x_cpu: torch.Tensor, mesh: xs.Mesh):
     """A fresh device copy of the blocks (2-D weights sharded on dim 0 over
     'fsdp', the rest left unannotated) and the batch-sharded input.
@@ -481,7 +518,7 @@ def targets(results, layer_counts: list[int]) -> list[tuple[str, str, str]]:
     return out
 
 
-def plot(results, layer_counts: list[int], methods: list[str], path: str) -> None:
+def plot(results, layer_counts: list[int], methods: list[str], path: str, title: str = "decoder blocks") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -526,7 +563,7 @@ def plot(results, layer_counts: list[int], methods: list[str], path: str) -> Non
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("scan_layers vs unrolled loop: decoder blocks, FSDP sharding over 8 virtual CPU devices")
+    fig.suptitle(f"scan_layers vs unrolled loop: {title}, FSDP sharding over 8 virtual CPU devices")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -546,6 +583,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: L = 2 4, 2 steps")
     ap.add_argument("--out", default="bench_out/bench_scan.png", help="PNG plot path")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--model", choices=("block", "llama"), default="block",
+                    help="block: torch_xla_ext.testing.models.CausalBlock (all methods); llama: Hugging Face "
+                         "LlamaDecoderLayer through scan_layers' keyword arguments (unrolled and ours* only)")
     ap.add_argument("--memory", action="store_true",
                     help="measure each compiled step's device memory from XLA's buffer assignment (slows compiles)")
     ap.add_argument("--check-layers", type=int, default=None,
@@ -560,13 +600,18 @@ def main() -> int:
         methods.insert(0, "unrolled")
 
     notes = []
+    if args.model == "llama":
+        dropped = [m for m in methods if m in ("torch_xla", "jax")]
+        methods = [m for m in methods if m not in dropped]
+        if dropped:
+            notes.append(f"NOTE: --model llama runs no {' or '.join(dropped)} column: torch_xla's scan_layers passes "
+                         f"the layers no keyword arguments (position_embeddings), and there is no JAX Llama here.")
     fwds: dict[str, Callable] = {"unrolled": fwd_unrolled}
     try:
         from torch_xla_ext import remat
 
-        fwds["ours"] = make_fwd_ours()
-        fwds["ours_nothing"] = make_fwd_ours(remat.nothing_saveable)
-        fwds["ours_dots"] = make_fwd_ours(remat.dots_saveable)
+        partition_fns = {"ours": None, "ours_nothing": remat.nothing_saveable, "ours_dots": remat.dots_saveable}
+        fwds.update({m: make_fwd_ours(fn) for m, fn in partition_fns.items()})
     except Exception as e:  # the subject of the benchmark: nothing to compare without it
         print(f"cannot import torch_xla_ext ({type(e).__name__}: {e}); install the package first", file=sys.stderr)
         return 2
@@ -594,7 +639,9 @@ def main() -> int:
     from torch_xla_ext.scan import scan_cache_info
 
     mesh = xs.Mesh(np.arange(NUM_DEVICES), (NUM_DEVICES,), ("fsdp",))
-    print(f"model: pre-norm decoder block dim={cfg.dim} heads={cfg.heads} mlp={cfg.mlp}x seq={cfg.seq} "
+    kind = ("Hugging Face LlamaDecoderLayer (GQA, RMSNorm, rotary, SwiGLU)" if args.model == "llama"
+            else "pre-norm decoder block")
+    print(f"model: {kind} dim={cfg.dim} heads={cfg.heads} mlp={cfg.mlp}x seq={cfg.seq} "
           f"batch={cfg.batch}; fp32; 2-D weights sharded ('fsdp', None), batch sharded on 'fsdp' "
           f"over {NUM_DEVICES} virtual CPU devices")
     print(f"layers L={layer_counts}, methods={methods}; per method: 1 compiling step + {args.warmup} warm-up, "
@@ -616,7 +663,12 @@ def main() -> int:
         return Result(m, n, note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
     for n in layer_counts:
-        cpu_layers, x_cpu, host = build(cfg, n)
+        if args.model == "llama":
+            cpu_layers, x_cpu, rotary = build_llama(cfg, n)
+            host = None
+            fwds.update(llama_forwards(rotary, {m: partition_fns[m] for m in methods if m in partition_fns}))
+        else:
+            cpu_layers, x_cpu, host = build(cfg, n)
         x_np = x_cpu.numpy()
         runners = {}
         for m in methods:  # compile + warm up, one method after the other
@@ -667,7 +719,8 @@ def main() -> int:
     for name, verdict, detail in targets(results, layer_counts):
         print(f"  {verdict:<4}  {name}: {detail}")
     print(f"\ntotal wall time {time.perf_counter() - t_start:.1f}s")
-    plot(results, layer_counts, methods, args.out)
+    plot(results, layer_counts, methods, args.out,
+         "Hugging Face Llama decoder layers" if args.model == "llama" else "decoder blocks")
     return 0
 
 
