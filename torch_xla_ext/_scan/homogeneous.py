@@ -95,6 +95,11 @@ def attribute_key(layer: torch.nn.Module) -> tuple:
     return tuple(items)
 
 
+def attribute_values(layer: torch.nn.Module) -> list[object]:
+    """The attribute values :func:`attribute_key` reads (to keep the objects it names by identity alive)."""
+    return [value for _, _, value in _readable(layer)]
+
+
 def attribute_groups(layers: Sequence[torch.nn.Module]) -> list[list[int]]:
     """Indices of the layers whose attributes differ from ``layers[0]``'s, grouped by equal attributes."""
     keys = [attribute_key(layer) for layer in layers]

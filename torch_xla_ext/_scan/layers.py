@@ -15,7 +15,8 @@ from .api import _scan_flat
 from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError
-from .homogeneous import attribute_groups, attribute_key, check_members, describe_difference, layer_state
+from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_members, describe_difference,
+                          layer_state)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .trace import _Traced
@@ -84,7 +85,9 @@ _layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _layer_steps_lock = threading.Lock()
 
 # Attribute sets of layers other than the template whose trace was found equal
-# to the template's: per template, (attribute key, template fingerprint).
+# to the template's: per template, {(attribute key, template fingerprint): the
+# attribute values}. The values are held so that the identities the key names
+# for non-plain values cannot be reused by other objects while it is cached.
 _verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _VERIFIED_PER_TEMPLATE = 256
 
@@ -283,7 +286,7 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
     """Trace one layer of each attribute group; refuse a group whose trace is not the template's."""
     template = layers[0]
     with _layer_steps_lock:
-        verified = _verified.setdefault(template, set())
+        verified = _verified.setdefault(template, {})
     for group in groups:
         k = group[0]
         seen = (attribute_key(layers[k]), traced.fingerprint)
@@ -303,7 +306,7 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
         with _layer_steps_lock:
             if len(verified) >= _VERIFIED_PER_TEMPLATE:
                 verified.clear()
-            verified.add(seen)
+            verified[seen] = attribute_values(layers[k])
 
 
 def _write_back_buffers(states: list[dict[str, torch.Tensor]], names: list[str], shapes: list[tuple[int, ...]],
