@@ -75,24 +75,18 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
     return names
 
 
-def _value_key(value: object) -> object:
+def value_key(value: object) -> object:
     """``value`` when it compares by value (numbers, strings, dtypes, tuples of them), else its identity."""
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if isinstance(value, (tuple, list, frozenset)) and len(value) <= 64:
-        return (type(value), tuple(_value_key(v) for v in value))
+        return (type(value), tuple(value_key(v) for v in value))
     return ("id", id(value))
 
 
 def attribute_key(layer: torch.nn.Module) -> tuple:
     """The Python attributes of ``layer`` and its submodules (not members, children or hooks), comparable."""
-    items = []
-    for path, module in layer.named_modules():
-        for name, value in vars(module).items():
-            if name.startswith("_"):  # members, children, hooks and other nn.Module bookkeeping
-                continue
-            items.append((path, name, _value_key(value)))
-    return tuple(items)
+    return tuple((path, name, value_key(value)) for path, name, value in _readable(layer))
 
 
 def attribute_values(layer: torch.nn.Module) -> list[object]:
@@ -118,7 +112,7 @@ def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: i
     diffs = []
     for p, n in sorted(set(a) | set(b)):
         va, vb = a.get((p, n), missing), b.get((p, n), missing)
-        if va is missing or vb is missing or _value_key(va) != _value_key(vb):
+        if va is missing or vb is missing or value_key(va) != value_key(vb):
             show = [("<missing>" if v is missing else repr(v)) for v in (vb, va)]
             diffs.append(f"{p + '.' if p else ''}{n} = {show[0]} (layers[0]: {show[1]})")
     return f"layers[{index}] differs in " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
@@ -127,5 +121,5 @@ def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: i
 def _readable(layer: torch.nn.Module):
     for path, module in layer.named_modules():
         for name, value in vars(module).items():
-            if not name.startswith("_"):
+            if not name.startswith("_"):  # members, children, hooks and other nn.Module bookkeeping
                 yield path, name, value

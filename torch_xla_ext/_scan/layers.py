@@ -16,7 +16,7 @@ from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_members, describe_difference,
-                          layer_state)
+                          layer_state, value_key)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .trace import _Traced
@@ -152,16 +152,8 @@ def _check_call_tensors(kwargs: dict[str, Any], args: tuple) -> tuple:
                 )
             key.append(None)
         else:
-            key.append(_plain_or_identity(leaf))
+            key.append(value_key(leaf))
     return (spec, tuple(key))
-
-
-def _plain_or_identity(value: object) -> object:
-    try:
-        hash(value)
-    except TypeError:
-        return ("id", id(value))
-    return (type(value), value) if isinstance(value, (type(None), bool, int, float, str)) else ("id", id(value))
 
 
 def scan_layers(
