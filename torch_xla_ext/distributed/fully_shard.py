@@ -26,6 +26,12 @@ FSDP2; XLA buffers keep their sharding. The tensor objects are swapped, so the
 module attributes, ``named_buffers()`` and other references see the moved
 tensor, and persistence and state dict keys are unchanged (:mod:`._buffers`).
 
+Collectives: on XLA:CPU, which combines no collectives itself, the
+parameters a state shards on dim 0 are gathered with one all-gather per state
+and dtype (each viewed as ``[devices, numel / devices]``, concatenated, gathered,
+split back); on other backends each parameter is gathered by itself and the
+compiler combines them. Gradients are reduce-scattered per parameter either way.
+
 Data movement: sharding parameters that are still on the host uploads them
 once, at ``fully_shard`` time, and so is each host buffer. Forward and backward
 move nothing to the host, and nothing to the device but the inputs.
@@ -194,7 +200,10 @@ def fully_shard(
         the global mesh, or a 1-D ``('fsdp',)`` mesh over all devices.
       reshard_after_forward: do not keep gathered parameters alive from
         forward to backward: autograd saves the sharded parameter and the
-        backward gathers it again behind an optimization barrier.
+        backward gathers it again behind an optimization barrier. A backward
+        that would gather a parameter written in place since its forward
+        (an optimizer step in between) raises ``RuntimeError``, as autograd
+        does for a saved tensor written in place.
       shard_placement_fn: ``fn(param) -> dim | None`` choosing the sharded
         dimension (None: default). Default: dim 0 when it divides over the
         ``fsdp`` axis, else the largest dimension that does, else replicated
