@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""Benchmark: our ``fully_shard`` vs torch_xla's FSDPv2 on a small tied decoder.
+"""Benchmark: our ``fully_shard`` vs torch_xla's FSDPv2 on a small tied decoder or Hugging Face Llama.
 
 One process, 8 virtual CPU devices, SPMD. For each number of layers L the
-same decoder (token embedding tied to the LM head, L pre-norm attention + MLP
-blocks, final LayerNorm) is trained from the same initial weights (deep copies
-of one CPU model; ``torch_xla_ext.testing.models``) on the same batches
-(sharded over 'fsdp') three ways:
+same model is trained from the same initial weights (deep copies of one CPU
+model) on the same batches (sharded over 'fsdp') three ways. The model is
+``--model decoder`` (token embedding tied to the LM head, L pre-norm attention
++ MLP blocks, final LayerNorm; ``torch_xla_ext.testing.models``) or ``--model
+llama`` (``transformers.LlamaForCausalLM`` of the same width: GQA, RMSNorm,
+rotary embeddings, SwiGLU; sdpa attention with a 4-D causal mask built on the
+device, ``torch_xla_ext.hf.causal_mask``):
 
   ours+scan  torch_xla_ext.distributed.fully_shard on every block, then on the
-             root; the blocks run through torch_xla_ext.scan_layers
+             root; the blocks run through torch_xla_ext.scan_layers (Llama:
+             torch_xla_ext.hf.scan_decoder_layers)
   ours+loop  the same, the blocks run in a Python for-loop
   fsdpv2     torch_xla.experimental.spmd_fully_sharded_data_parallel
              .SpmdFullyShardedDataParallel around every block and the root,
@@ -26,7 +30,12 @@ and waits for the devices. Per method and L it reports
             every method before step i+1 of any), so drift of a shared
             machine hits all three alike
   trace     host time of a steady step until ``torch_xla.sync()`` (Python,
-            autograd, lazy tracing); exec: its ``ExecuteReplicatedTime``
+            autograd, lazy tracing); exec: its ``ExecuteReplicatedTime``;
+            both also as ratios to FSDPv2's
+  colls     with ``--hlo``: collectives in XLA's optimized step program
+            (all-gather / all-reduce / all-to-all, read from XLA's dump with
+            torch_xla_ext's HLO reader), the evidence for where exec time goes:
+            on XLA:CPU each collective is a rendezvous of all device threads
   recomp    compilations after the first step (0 expected)
   bytes/dev per-device bytes of parameters + gradients, computed from each
             tensor's sharding string; "total/8" is what a perfect 8-way shard
@@ -43,7 +52,8 @@ timed region), whether they agree across the methods, the target checks
 
 Usage::
 
-    python scripts/bench_fsdp.py                    # L = 4 8, 12 steps
+    python scripts/bench_fsdp.py                    # L = 4 8 16 32, 12 steps
+    python scripts/bench_fsdp.py --model llama --hlo
     python scripts/bench_fsdp.py --quick            # smoke run: tiny model, 3 steps
     python scripts/bench_fsdp.py --layers 4 --steps 6 --out bench_out/x.png
 """
@@ -51,6 +61,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import math
 import os
@@ -65,6 +76,11 @@ from dataclasses import dataclass, field
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = "8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import xla_memory  # noqa: E402
+
+# XLA reads its dump flags when it starts: decide before importing torch_xla.
+DUMP_DIR = xla_memory.enable("bench_out/xla_dump_fsdp") if "--hlo" in sys.argv else None
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -90,9 +106,12 @@ from torch_xla_ext.testing.models import CausalBlock, Decoder  # noqa: E402
 
 NUM_DEVICES = 8
 METHODS = ("ours+scan", "ours+loop", "fsdpv2")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+SHORT = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to-all": "A2A",
+         "collective-permute": "CP"}
 BASELINE = "fsdpv2"
 LR = 0.5
-STEP_TARGET = 1.05  # ours' steady step time <= 1.05x FSDPv2's
+STEP_TARGET = 1.0  # ours' steady step, trace and execute times <= 1.0x FSDPv2's
 
 
 # --------------------------------------------------------------------------- #
@@ -118,6 +137,20 @@ def make_decoder(cfg: Config, layers: int) -> Decoder:
                    final_norm=True, embed_std=cfg.dim ** -0.5)
 
 
+def make_llama(cfg: Config, layers: int) -> nn.Module:
+    """Hugging Face ``LlamaForCausalLM`` of the same sizes (GQA with heads // 2 key-value heads), sdpa attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.mlp * cfg.dim, num_attention_heads=cfg.heads,
+                         num_key_value_heads=max(1, cfg.heads // 2), num_hidden_layers=layers,
+                         vocab_size=cfg.vocab, max_position_embeddings=cfg.seq, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    return model.layers if isinstance(model, Decoder) else model.model.layers
+
+
 def unique_params(model: nn.Module) -> list[nn.Parameter]:
     return list(model.parameters())  # nn.Module.parameters() yields a tied parameter once
 
@@ -127,32 +160,41 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
 # --------------------------------------------------------------------------- #
 
 
-def make_ours(cpu_model: Decoder, mesh: xs.Mesh, mode: str) -> nn.Module:
+def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str) -> nn.Module:
+    from torch_xla_ext.hf import scan_decoder_layers
+
     model = copy.deepcopy(cpu_model)
-    model.use_scan = mode == "scan"
-    for layer in model.layers:
+    for layer in blocks_of(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    assert model.head.weight is model.embed.weight, "fully_shard untied the embedding and the LM head"
-    assert len(get_fully_sharded_modules(model)) == len(model.layers) + 1
+    if isinstance(model, Decoder):
+        model.use_scan = mode == "scan"
+        assert model.head.weight is model.embed.weight, "fully_shard untied the embedding and the LM head"
+    elif mode == "scan":
+        scan_decoder_layers(model)
+    assert len(get_fully_sharded_modules(model)) == len(blocks_of(model)) + 1
     return model
 
 
-def make_fsdpv2(cpu_model: Decoder, mesh: xs.Mesh) -> nn.Module:
+def make_fsdpv2(cpu_model: nn.Module, mesh: xs.Mesh) -> nn.Module:
     model = copy.deepcopy(cpu_model)
-    model.use_scan = False
-    # nn.Module.to() gives each registration of a tied parameter its own copy
-    # when moving CPU -> XLA, so move first and tie again before wrapping.
     model.to(torch_xla.device())
-    model.head.weight = model.embed.weight
-    for i, layer in enumerate(model.layers):
-        model.layers[i] = FSDPv2(layer, mesh=mesh)  # default shard_output: batch dim over 'fsdp'
+    if isinstance(model, Decoder):
+        model.use_scan = False
+        # nn.Module.to() gives each registration of a tied parameter its own copy
+        # when moving CPU -> XLA, so move first and tie again before wrapping.
+        model.head.weight = model.embed.weight
+    blocks = blocks_of(model)
+    for i, layer in enumerate(blocks):
+        blocks[i] = FSDPv2(layer, mesh=mesh)  # default shard_output: batch dim over 'fsdp'
 
-    def shard_logits(output: torch.Tensor, mesh: xs.Mesh) -> None:
-        xs.mark_sharding(output, mesh, ("fsdp",) + (None,) * (output.dim() - 1))
+    def shard_logits(output, mesh: xs.Mesh) -> None:
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        xs.mark_sharding(logits, mesh, ("fsdp",) + (None,) * (logits.dim() - 1))
 
     wrapped = FSDPv2(model, mesh=mesh, shard_output=shard_logits)
-    assert model.head.weight is model.embed.weight, "the embedding and the LM head came untied"
+    if isinstance(model, Decoder):
+        assert model.head.weight is model.embed.weight, "the embedding and the LM head came untied"
     return wrapped
 
 
@@ -240,8 +282,13 @@ def metric(name: str) -> tuple[int, float]:
     return (0, 0.0) if data is None else (int(data[0]), float(data[1]))
 
 
-def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    if mask is None:  # the decoder
+        logits = model(tokens)
+    else:  # Hugging Face: a 4-D mask, so attention reads nothing on the host
+        logits = model(input_ids=tokens, attention_mask=mask, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 @dataclass
@@ -266,6 +313,8 @@ class Run:
     hlo_matched: int | None = None
     d2h_bytes: int | None = None
     d2h_report: str = ""
+    mem_bytes: int | None = None         # --hlo: the compiled step's buffer assignment per device
+    collectives: dict[str, int] | None = None  # --hlo: collectives of the optimized step program
     error: str = ""
 
     @staticmethod
@@ -286,12 +335,13 @@ class Run:
         return self._steady_ms(self.exec_times)
 
 
-def train_step(run: Run, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
+def train_step(run: Run, tokens: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, float, float, float]:
     """One step; returns (loss, total s, trace s, execute s)."""
     e0 = metric("ExecuteReplicatedTime")[1]
     t0 = time.perf_counter()
     run.opt.zero_grad(set_to_none=True)
-    loss = loss_of(run.model, tokens, targets)
+    loss = loss_of(run.model, tokens, targets, mask)
     loss.backward()
     run.opt.step()
     t1 = time.perf_counter()
@@ -345,28 +395,39 @@ def transfer_check(run: Run, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     run.d2h_report = m.report() if m.device_to_host else ""
 
 
-def make_batches(cfg: Config, n: int, mesh: xs.Mesh) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Learnable targets (a fixed per-token mapping), batch dim sharded over 'fsdp'."""
+def make_batches(cfg: Config, n: int, mesh: xs.Mesh, masked: bool) -> list[tuple[torch.Tensor, ...]]:
+    """Learnable targets (a fixed per-token mapping), batch dim sharded over 'fsdp'.
+
+    ``masked``: each batch also holds the 4-D causal mask Hugging Face models
+    take as given (built on the device: ``torch_xla_ext.hf.causal_mask``).
+    """
+    from torch_xla_ext.hf import causal_mask
+
     g = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
         tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
         targets = (tokens * 7 + 3) % cfg.vocab
-        pair = []
+        batch = []
         for t in (tokens, targets):
             x = t.to(torch_xla.device())
             xs.mark_sharding(x, mesh, ("fsdp", None))
-            pair.append(x)
-        out.append(tuple(pair))
+            batch.append(x)
+        if masked:
+            mask = causal_mask(torch.ones(cfg.batch, cfg.seq, dtype=torch.long, device=torch_xla.device()))
+            xs.mark_sharding(mask, mesh, ("fsdp", None, None, None))
+            batch.append(mask)
+        out.append(tuple(batch))
     torch_xla.sync()
     xm.wait_device_ops()
     return out
 
 
-def bench_layers(cfg: Config, layers: int, steps: int, mesh: xs.Mesh, methods: tuple[str, ...]) -> list[Run]:
+def bench_layers(cfg: Config, model: str, layers: int, steps: int, mesh: xs.Mesh, methods: tuple[str, ...]
+                 ) -> list[Run]:
     torch.manual_seed(0)
-    cpu_model = make_decoder(cfg, layers)
-    batches = make_batches(cfg, steps, mesh)
+    cpu_model = make_decoder(cfg, layers) if model == "decoder" else make_llama(cfg, layers)
+    batches = make_batches(cfg, steps, mesh, masked=model != "decoder")
     builders: dict[str, Callable[[], nn.Module]] = {
         "ours+scan": lambda: make_ours(cpu_model, mesh, "scan"),
         "ours+loop": lambda: make_ours(cpu_model, mesh, "loop"),
@@ -383,7 +444,15 @@ def bench_layers(cfg: Config, layers: int, steps: int, mesh: xs.Mesh, methods: t
     # First two steps per method: compile, then one warm step.
     for run in runs:
         c0 = metric("CompileTime")
+        programs = xla_memory.Programs(DUMP_DIR) if DUMP_DIR else None
         timed_step(run, batches[0])
+        if programs is not None:
+            run.mem_bytes = programs.largest()
+            module = programs.largest_module()
+            if module is not None:
+                ops = collections.Counter(i.opcode.removesuffix("-start") for c in module.computations
+                                          for i in c.instructions)
+                run.collectives = {k: ops[k] for k in COLLECTIVES if ops[k]}
         c1 = metric("CompileTime")
         run.compile_s, run.compiles_first = (c1[1] - c0[1]) / 1e9, c1[0] - c0[0]
         run.first_s = run.times[0]
@@ -434,8 +503,9 @@ def table(rows: list[list[str]]) -> str:
 
 
 def report(all_runs: dict[int, list[Run]]) -> tuple[str, bool]:
-    rows = [["L", "method", "compile s", "(n)", "x fsdpv2", "first s", "step ms", "x fsdpv2", "trace ms", "exec ms", "recomp",
-             "param+grad/dev", "total/8", "hlo param/dev", "shard param/dev", "d2h/step", "final loss"]]
+    rows = [["L", "method", "compile s", "(n)", "x fsdpv2", "first s", "step ms", "x fsdpv2", "trace ms", "x fsdpv2",
+             "exec ms", "x fsdpv2", "recomp", "colls", "mem/dev", "param+grad/dev", "total/8", "hlo param/dev",
+             "shard param/dev", "d2h/step", "final loss"]]
     checks: list[tuple[str, bool]] = []
     notes: list[str] = []
     for layers, runs in all_runs.items():
@@ -448,8 +518,11 @@ def report(all_runs: dict[int, list[Run]]) -> tuple[str, bool]:
                 f"{r.compile_s / base.compile_s:.2f}" if base else "-",
                 f"{r.first_s:.2f}",
                 f"{r.step_ms:.1f}", f"{r.step_ms / base.step_ms:.2f}" if base else "-",
-                f"{r.trace_ms:.1f}", f"{r.exec_ms:.1f}",
+                f"{r.trace_ms:.1f}", f"{r.trace_ms / base.trace_ms:.2f}" if base else "-",
+                f"{r.exec_ms:.1f}", f"{r.exec_ms / base.exec_ms:.2f}" if base else "-",
                 str(r.recompiles),
+                " ".join(f"{SHORT[k]} {v}" for k, v in r.collectives.items()) if r.collectives is not None else "-",
+                fmt_bytes(r.mem_bytes),
                 fmt_bytes(b.per_device), fmt_bytes(b.total // NUM_DEVICES),
                 fmt_bytes(r.hlo_param_dev), fmt_bytes(r.shard_param_dev),
                 fmt_bytes(r.d2h_bytes), f"{r.losses[-1]:.4f}" if r.losses else "-",
@@ -476,9 +549,12 @@ def report(all_runs: dict[int, list[Run]]) -> tuple[str, bool]:
                            f"HLO == from shardings ({fmt_bytes(r.hlo_param_dev)} vs {fmt_bytes(r.shard_param_dev)})",
                            ok_hlo))
             if base:
-                ratio = r.step_ms / base.step_ms
-                checks.append((f"L={layers} {r.method}: steady step <= {STEP_TARGET}x FSDPv2 "
-                               f"({r.step_ms:.1f} ms vs {base.step_ms:.1f} ms = {ratio:.2f}x)", ratio <= STEP_TARGET))
+                for what, ours, theirs in (("steady step", r.step_ms, base.step_ms),
+                                           ("trace", r.trace_ms, base.trace_ms),
+                                           ("exec", r.exec_ms, base.exec_ms)):
+                    ratio = ours / theirs
+                    checks.append((f"L={layers} {r.method}: {what} <= {STEP_TARGET}x FSDPv2 "
+                                   f"({ours:.1f} ms vs {theirs:.1f} ms = {ratio:.2f}x)", ratio <= STEP_TARGET))
             checks.append((f"L={layers} {r.method}: a training step moves 0 bytes device->host "
                            f"(measured {r.d2h_bytes} B)", r.d2h_bytes == 0))
         # Loss agreement across the three.
@@ -496,7 +572,9 @@ def report(all_runs: dict[int, list[Run]]) -> tuple[str, bool]:
              "step = steady step (forward + backward + SGD + sync, waited), median of steps 3..N; "
              "first = step 1 wall time; compile = CompileTime delta over step 1 ((n) = compilations in it); x fsdpv2 = ratio to "
              "FSDPv2 in this run; trace = host time of a steady step until torch_xla.sync(); exec = its "
-             "ExecuteReplicatedTime; recomp = compilations after step 1.",
+             "ExecuteReplicatedTime; recomp = compilations after step 1; colls (--hlo) = all-gather (AG), "
+             "all-reduce (AR), all-to-all (A2A) ... instructions of XLA's optimized step program (a loop body "
+             "counted once); mem/dev (--hlo) = its buffer assignment per device.",
              "param+grad/dev from each tensor's sharding string; hlo param/dev = per-device bytes of the lowered "
              "HLO's entry parameters that are model parameters (C++ reader), shard param/dev = the same tensors "
              "from their sharding strings.", ""]
@@ -544,7 +622,11 @@ def plot(all_runs: dict[int, list[Run]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, nargs="+", default=None, help="numbers of decoder blocks (default 4 8)")
+    ap.add_argument("--layers", type=int, nargs="+", default=None, help="numbers of decoder blocks (default 4 8 16 32)")
+    ap.add_argument("--model", choices=("decoder", "llama"), default="decoder",
+                    help="the tied decoder of torch_xla_ext.testing.models, or Hugging Face LlamaForCausalLM")
+    ap.add_argument("--hlo", action="store_true", help="dump XLA's programs: collectives and memory of each step "
+                    "(dumping slows compiles: that run's compile column is not comparable)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per method (default 12, >= 3)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, L = 2, 3 steps")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
@@ -555,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         layer_list, steps = args.layers or [2], args.steps or 3
     else:
         cfg = Config()
-        layer_list, steps = args.layers or [4, 8], args.steps or 12
+        layer_list, steps = args.layers or [4, 8, 16, 32], args.steps or 12
     if steps < 3:
         ap.error("--steps must be at least 3 (the steady median skips the first two)")
     n = xr.global_runtime_device_count()
@@ -563,12 +645,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"expected {NUM_DEVICES} virtual CPU devices, got {n}")
     mesh = xs.Mesh(np.arange(NUM_DEVICES), (NUM_DEVICES,), ("fsdp",))
     xs.set_global_mesh(mesh)
-    print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, {n} devices; {cfg}; "
+    print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, {n} devices; model {args.model}; {cfg}; "
           f"L={layer_list}; {steps} steps; SGD lr={LR}", flush=True)
     all_runs: dict[int, list[Run]] = {}
     t0 = time.perf_counter()
     for L in layer_list:
-        all_runs[L] = bench_layers(cfg, L, steps, mesh, tuple(args.methods))
+        all_runs[L] = bench_layers(cfg, args.model, L, steps, mesh, tuple(args.methods))
         print(f"  L={L} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     text, ok = report(all_runs)
     print()

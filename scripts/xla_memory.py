@@ -10,6 +10,11 @@ assignment allocates on one device
 partitioned per-device program). torch_xla and JAX read the same
 ``XLA_FLAGS``, so both are measured the same way.
 
+The same dump holds each program after XLA's optimizations (``*after_optimizations.hlo.pb``,
+an ``xla.HloProto`` wrapping the ``HloModuleProto``), which :meth:`Programs.largest_module`
+reads with torch_xla_ext's HLO reader (collectives, fusions, copies of the
+partitioned per-device program).
+
 ``enable(directory)`` must run before torch_xla or JAX is imported. Dumping
 writes the program's text and LLVM IR for every compile, so compile times
 measured in the same run are slower than without it.
@@ -31,7 +36,7 @@ def enable(directory: str) -> pathlib.Path:
     for old in path.glob("*"):
         old.unlink()
     flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={path} --xla_dump_hlo_as_text".strip()
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_as_proto".strip()
     return path
 
 
@@ -40,11 +45,11 @@ class Programs:
 
     def __init__(self, directory: pathlib.Path) -> None:
         self.directory = directory
-        self.seen = set(directory.glob("*memory-usage-report.txt"))
+        self.seen = set(directory.glob("*"))
 
     def bytes_per_program(self) -> dict[str, int]:
         out = {}
-        for path in sorted(set(self.directory.glob("*memory-usage-report.txt")) - self.seen):
+        for path in self._new("*memory-usage-report.txt"):
             match = _TOTAL.search(path.read_text(errors="replace")[:200])
             if match:
                 out[path.name] = int(match.group(1))
@@ -54,3 +59,47 @@ class Programs:
         """Bytes of the largest program compiled since (the training step), or None if none was."""
         sizes = self.bytes_per_program().values()
         return max(sizes) if sizes else None
+
+    def largest_module(self):
+        """The optimized ``torch_xla_ext.HloModule`` of the largest program compiled since, or None."""
+        import torch_xla_ext as txe
+
+        reports = {path.name: size for path, size in ((p, p.stat().st_size) for p in self._new("*after_optimizations.hlo.pb"))}
+        if not reports:
+            return None
+        name = max(reports, key=reports.get)
+        return txe.read_hlo(_hlo_module_of((self.directory / name).read_bytes()))
+
+    def _new(self, pattern: str) -> list[pathlib.Path]:
+        return sorted(set(self.directory.glob(pattern)) - self.seen)
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _hlo_module_of(hlo_proto: bytes) -> bytes:
+    """The ``hlo_module`` (field 1) of a serialized ``xla.HloProto``, as XLA dumps programs."""
+    pos = 0
+    while pos < len(hlo_proto):
+        key, pos = _varint(hlo_proto, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, pos = _varint(hlo_proto, pos)
+        elif wire == 2:
+            size, pos = _varint(hlo_proto, pos)
+            if field == 1:
+                return hlo_proto[pos:pos + size]
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unexpected wire type {wire} in an HloProto dump at byte {pos}")
+    raise ValueError("the HloProto dump holds no hlo_module")
