@@ -1,4 +1,4 @@
-"""Lowering choices made for one backend (XLA:CPU), behind one switch.
+"""Lowering choices made for one backend's code generation (XLA:CPU), behind one switch.
 
 XLA:CPU emits each fusion as loops over its output's per-device shape (a
 dynamic-update-slice fusion over the whole buffer), and LLVM unrolls a plain
@@ -17,13 +17,7 @@ choices exist only to keep that code small:
   stacked members with their unsharded dims merged, so each device copies 1-D
   blocks.
 
-One more choice is made for XLA:CPU's runtime, which combines no collectives
-(each one is a rendezvous of every device thread, ~0.2 ms on 8 virtual
-devices whatever its size): ``fully_shard`` gathers the parameters a state
-shards on dim 0 with one all-gather (:class:`~torch_xla_ext.distributed._param.GatherFlat`)
-instead of one per parameter.
-
-:func:`cpu_codegen` turns all three on exactly when the XLA device is a CPU; the
+:func:`cpu_codegen` turns both on exactly when the XLA device is a CPU; the
 environment variable ``TORCH_XLA_EXT_CPU_CODEGEN`` (``1``/``0``) or
 :func:`forced_cpu_codegen` forces them on or off. On any other backend a loop
 has no select and stacked members keep their shape. The bound is never an

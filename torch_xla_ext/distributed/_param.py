@@ -22,10 +22,7 @@ from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replic
 from .._xla import torch_xla_device, xla_builder, xlac
 
 __all__ = [
-    "FlatMember",
-    "FlatRegather",
     "Gather",
-    "GatherFlat",
     "Regather",
     "applied_count",
     "applied_spec",
@@ -258,93 +255,3 @@ class Regather:
         with torch.no_grad():
             fresh = behind_barrier(self.source.detach())
             return annotate_sharding(fresh.to(self.dtype), self.mesh, (None,) * self.dims)
-
-
-# --------------------------------------------------------------------------- #
-# One all-gather for many parameters (XLA:CPU combines no collectives itself).
-# --------------------------------------------------------------------------- #
-
-
-def _flat_gather(sources: list[torch.Tensor], mesh, axis: str | int, size: int) -> list[torch.Tensor]:
-    """``sources`` (each sharded on dim 0 over a ``size``-way ``axis``) gathered with one all-gather.
-
-    Each source viewed as ``[size, numel / size]`` keeps its sharding (device
-    ``i`` holds row ``i``), so concatenating the views along dim 1 moves
-    nothing; the ``[size, total]`` result is gathered once and split back.
-    """
-    rows = [s.reshape(size, -1) for s in sources]
-    flat = annotate_sharding(torch.cat(rows, dim=1), mesh, (axis, None))
-    full = annotate_sharding(flat, mesh, (None, None))
-    pieces = full.split([r.shape[1] for r in rows], dim=1)
-    return [p.reshape(s.shape) for p, s in zip(pieces, sources)]
-
-
-class GatherFlat(torch.autograd.Function):
-    """:class:`Gather` for several parameters at once: one all-gather in the forward.
-
-    The backward gives each gradient its parameter's sharding separately (a
-    reduce-scatter each, exactly as :class:`Gather`): the per-parameter
-    reductions are where the partial sums come from.
-    """
-
-    @staticmethod
-    def forward(ctx, mesh, axis: str | int, size: int, specs: tuple, reduce_dtype: torch.dtype | None,
-                *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.mesh, ctx.specs, ctx.reduce_dtype = mesh, specs, reduce_dtype
-        ctx.dtypes = [s.dtype for s in sources]
-        return tuple(_flat_gather(list(sources), mesh, axis, size))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        out = []
-        for grad, spec, dtype in zip(grads, ctx.specs, ctx.dtypes):
-            if grad is not None:
-                if ctx.reduce_dtype is not None:
-                    grad = grad.to(ctx.reduce_dtype)
-                grad = annotate_sharding(grad, ctx.mesh, spec).to(dtype)
-            out.append(grad)
-        return (None, None, None, None, None, *out)
-
-
-class FlatRegather:
-    """A group of parameters gathered by :class:`GatherFlat` and resharded after forward.
-
-    The backward's first :meth:`unpack` of any member gathers the whole group
-    again (one all-gather behind one optimization barrier); the other members
-    reuse it.
-    """
-
-    __slots__ = ("sources", "versions", "dtypes", "mesh", "axis", "size", "_full")
-
-    def __init__(self, sources: list[torch.Tensor], dtypes: list[torch.dtype], mesh, axis: str | int,
-                 size: int) -> None:
-        self.sources, self.dtypes = sources, dtypes
-        self.versions = [s._version for s in sources]
-        self.mesh, self.axis, self.size = mesh, axis, size
-        self._full: list[torch.Tensor] | None = None
-
-    def unpack(self, index: int) -> torch.Tensor:
-        """Member ``index`` gathered again."""
-        if self._full is None:
-            for source, version in zip(self.sources, self.versions):
-                _check_unchanged(source, version)
-            import torch_xla.core.xla_model as xm
-
-            with torch.no_grad():
-                fresh = [fresh_node(s.detach()) for s in self.sources]
-                xm.optimization_barrier_(fresh)
-                fresh = [f.to(d) for f, d in zip(fresh, self.dtypes)]
-                self._full = _flat_gather(fresh, self.mesh, self.axis, self.size)
-        return self._full[index]
-
-
-class FlatMember:
-    """What one member of a :class:`FlatRegather` group is packed into."""
-
-    __slots__ = ("group", "index")
-
-    def __init__(self, group: FlatRegather, index: int) -> None:
-        self.group, self.index = group, index
-
-    def unpack(self) -> torch.Tensor:
-        return self.group.unpack(self.index)

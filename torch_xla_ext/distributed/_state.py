@@ -30,8 +30,7 @@ import torch.utils._pytree as pytree
 from ._weak import WeakIdMap
 
 from .._annotate import annotate_sharding, in_scan_autograd_trace, mesh_text, shard_activation
-from .._scan.backend import cpu_codegen
-from ._param import FlatMember, FlatRegather, Gather, GatherFlat, Regather, axis_size, place, spec_string
+from ._param import Gather, Regather, axis_size, place, spec_string
 
 __all__ = [
     "FSDPState",
@@ -185,7 +184,7 @@ class FSDPState:
                     currents.setdefault(id(current), (current, slot.spec))
             compiling = torch.compiler.is_compiling()
             traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(p for p, _ in currents.values())
-            gathered = self._gather(list(currents.values()), traced)
+            gathered = self._gather(list(currents.values()))
             for slot in self.slots:
                 holder = slot.holder
                 if holder is None:
@@ -203,7 +202,7 @@ class FSDPState:
                     return hit[1] if hit is not None and hit[0] is t else t
 
                 def unpack(obj: Any) -> torch.Tensor:
-                    return obj.unpack() if isinstance(obj, (Regather, FlatMember)) else obj
+                    return obj.unpack() if isinstance(obj, Regather) else obj
 
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     out = forward(module, *args, **kwargs)
@@ -219,48 +218,16 @@ class FSDPState:
         # dimension, so the compiler gathers weights rather than activations.
         return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
 
-    def _gather(self, params: list[tuple[nn.Parameter, tuple]], traced: bool) -> dict[int, tuple[torch.Tensor, Any]]:
-        """``id(param) -> (gathered value, what a saved gathered value is packed into)`` for ``(param, spec)``s.
-
-        Each parameter gets its own :class:`Gather`, except on XLA:CPU, which
-        combines no collectives: there the parameters sharded on dim 0 of
-        each dtype share one :class:`GatherFlat` (one all-gather instead of
-        one per parameter). Scan's and torch.compile's traces keep one
-        gather per parameter (scan recomputes each from its own input).
-        """
+    def _gather(self, params: list[tuple[nn.Parameter, tuple]]) -> dict[int, tuple[torch.Tensor, Regather]]:
+        """``id(param) -> (gathered value, what a saved gathered value is packed into)`` for ``(param, spec)``s."""
         mp = self.mp_policy
-        specs = [spec for _, spec in params]
-        params = [p for p, _ in params]
-        sources = []
-        for p in params:
+        out: dict[int, tuple[torch.Tensor, Regather]] = {}
+        for p, spec in params:
             source = p
             if mp.param_dtype is not None and source.is_floating_point():
                 source = source.to(mp.param_dtype)
-            sources.append(source)
-        out: dict[int, tuple[torch.Tensor, Any]] = {}
-        groups: dict[torch.dtype, list[int]] = {}
-        if not traced and cpu_codegen():
-            for i, (p, source) in enumerate(zip(params, sources)):
-                spec = specs[i]
-                if p.dim() and spec[0] == self.axis and all(a is None for a in spec[1:]):
-                    groups.setdefault(source.dtype, []).append(i)
-        flat = {i for members in groups.values() if len(members) > 1 for i in members}
-        for i, (p, source) in enumerate(zip(params, sources)):
-            if i not in flat:
-                full = Gather.apply(source, self.mesh_text, specs[i], mp.reduce_dtype,
-                                    self.reshard_after_forward)
-                out[id(p)] = (full, Regather(p, source.dtype, self.mesh_text, p.dim()))
-        for members in groups.values():
-            if len(members) < 2:
-                continue
-            group_sources = [sources[i] for i in members]
-            fulls = GatherFlat.apply(self.mesh_text, self.axis, self.axis_size, tuple(specs[i] for i in members),
-                                     mp.reduce_dtype,
-                                     *group_sources)
-            regather = FlatRegather([params[i] for i in members], [s.dtype for s in group_sources],
-                                    self.mesh_text, self.axis, self.axis_size)
-            for k, (i, full) in enumerate(zip(members, fulls)):
-                out[id(params[i])] = (full, FlatMember(regather, k))
+            full = Gather.apply(source, self.mesh_text, spec, mp.reduce_dtype, self.reshard_after_forward)
+            out[id(p)] = (full, Regather(p, source.dtype, self.mesh_text, p.dim()))
         return out
 
     def _shard_batch(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,6 @@ FSDP2; XLA buffers keep their sharding. The tensor objects are swapped, so the
 module attributes, ``named_buffers()`` and other references see the moved
 tensor, and persistence and state dict keys are unchanged (:mod:`._buffers`).
 
-Collectives: on XLA:CPU, which combines no collectives itself, the
-parameters a state shards on dim 0 are gathered with one all-gather per state
-and dtype (each viewed as ``[devices, numel / devices]``, concatenated, gathered,
-split back); on other backends each parameter is gathered by itself and the
-compiler combines them. Gradients are reduce-scattered per parameter either way.
-
 Data movement: sharding parameters that are still on the host uploads them
 once, at ``fully_shard`` time, and so is each host buffer. Forward and backward
 move nothing to the host, and nothing to the device but the inputs.
