@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -175,25 +175,27 @@ class FSDPState:
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
         swapped: list[tuple[nn.Module, str, Any]] = []
+        gathered: dict[int, tuple[torch.Tensor, Regather]] = {}
         try:
-            currents: dict[int, tuple[nn.Parameter, tuple]] = {}
-            for slot in self.slots:
-                holder = slot.holder
-                if holder is not None:
-                    current = holder._parameters[slot.name]
-                    currents.setdefault(id(current), (current, slot.spec))
-            compiling = torch.compiler.is_compiling()
-            traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(p for p, _ in currents.values())
-            gathered = self._gather(list(currents.values()))
             for slot in self.slots:
                 holder = slot.holder
                 if holder is None:
                     continue
                 current = holder._parameters[slot.name]
-                holder._parameters[slot.name] = gathered[id(current)][0]
+                value = gathered.get(id(current))
+                if value is None:
+                    source = current
+                    if mp.param_dtype is not None and source.is_floating_point():
+                        source = source.to(mp.param_dtype)
+                    full = Gather.apply(source, self.mesh_text, slot.spec, mp.reduce_dtype, self.reshard_after_forward)
+                    value = (full, Regather(current, source.dtype, self.mesh_text, current.dim()))
+                    gathered[id(current)] = value
+                holder._parameters[slot.name] = value[0]
                 swapped.append((holder, slot.name, current))
+            compiling = torch.compiler.is_compiling()
             if compiling and self.reshard_after_forward and gathered and torch.is_grad_enabled():
                 _warn_compiled_reshard()
+            traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(swapped)
             if self.reshard_after_forward and gathered and torch.is_grad_enabled() and not traced:
                 packed = {id(full): (full, regather) for full, regather in gathered.values()}
 
@@ -217,18 +219,6 @@ class FSDPState:
         # Keep activations sharded over the fsdp axis on their leading (batch)
         # dimension, so the compiler gathers weights rather than activations.
         return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
-
-    def _gather(self, params: list[tuple[nn.Parameter, tuple]]) -> dict[int, tuple[torch.Tensor, Regather]]:
-        """``id(param) -> (gathered value, what a saved gathered value is packed into)`` for ``(param, spec)``s."""
-        mp = self.mp_policy
-        out: dict[int, tuple[torch.Tensor, Regather]] = {}
-        for p, spec in params:
-            source = p
-            if mp.param_dtype is not None and source.is_floating_point():
-                source = source.to(mp.param_dtype)
-            full = Gather.apply(source, self.mesh_text, spec, mp.reduce_dtype, self.reshard_after_forward)
-            out[id(p)] = (full, Regather(p, source.dtype, self.mesh_text, p.dim()))
-        return out
 
     def _shard_batch(self, t: torch.Tensor) -> torch.Tensor:
         if (t.device.type != "xla" or not t.is_floating_point() or t.dim() == 0
@@ -254,7 +244,7 @@ def _warn_compiled_reshard() -> bool:
     return True
 
 
-def _on_fake_tensors(params: Iterable[Any]) -> bool:
+def _on_fake_tensors(swapped: list[tuple[nn.Module, str, Any]]) -> bool:
     """True while a tracer other than scan (torch.compile) runs the forward on fake tensors.
 
     Inside scan, :func:`~torch_xla_ext._annotate.in_scan_autograd_trace` says
@@ -262,7 +252,7 @@ def _on_fake_tensors(params: Iterable[Any]) -> bool:
     """
     from torch._subclasses.fake_tensor import is_fake
 
-    return any(isinstance(p, torch.Tensor) and is_fake(p) for p in params)
+    return any(isinstance(current, torch.Tensor) and is_fake(current) for _, _, current in swapped)
 
 
 @dataclasses.dataclass
