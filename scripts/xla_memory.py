@@ -64,11 +64,11 @@ class Programs:
         """The optimized ``torch_xla_ext.HloModule`` of the largest program compiled since, or None."""
         import torch_xla_ext as txe
 
-        reports = {path.name: size for path, size in ((p, p.stat().st_size) for p in self._new("*after_optimizations.hlo.pb"))}
-        if not reports:
+        dumps = self._new("*after_optimizations.hlo.pb")
+        if not dumps:
             return None
-        name = max(reports, key=reports.get)
-        return txe.read_hlo(_hlo_module_of((self.directory / name).read_bytes()))
+        largest = max(dumps, key=lambda path: path.stat().st_size)
+        return txe.read_hlo(_hlo_module_of(largest.read_bytes()))
 
     def _new(self, pattern: str) -> list[pathlib.Path]:
         return sorted(set(self.directory.glob(pattern)) - self.seen)
