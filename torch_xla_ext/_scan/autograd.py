@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._partitionable import partitionable_ops
 from .._annotate import behind_barrier, regather_mark, scan_autograd_trace
 from .._xla import torch_xla_device
 from .lift import Lifter
@@ -199,7 +200,7 @@ class _GradPlan:
             # output; the step writes into copies instead.
             own = [a.clone() if k in mutated else a for k, a in enumerate(args[:n_c + n_x])]
             lifter = Lifter([*args, *own], None, fixed=list(zip(outside, args[n_c + n_x:])))
-            with lifter, _traceable_mark_sharding(lifter):
+            with partitionable_ops(), lifter, _traceable_mark_sharding(lifter):
                 carry_out, ys = step(own[:n_c], own[n_c:])
             carry_out = [lifter.resolve(o) for o in carry_out]
             ys = [lifter.resolve(o) for o in ys]

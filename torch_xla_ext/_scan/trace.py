@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._annotate import fresh_node
+from .._partitionable import partitionable_ops
 from .._xla import xla_builder
 from .lift import Lifter, ValueIdentity
 
@@ -131,7 +132,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         # stats) replace only its value. A sharding annotation replaces the value
         # too, and then the input counts as written (a copy is harmless).
         identity = ValueIdentity(carry_in + x_in)
-        with lifter, _rng_state_kept():
+        with partitionable_ops(), lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in)
         lifter.check_outside_unchanged()
         mutated = tuple(k for k, c in enumerate(identity.changed(carry_in + x_in)) if c)
@@ -142,7 +143,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         outside_ph = [_placeholder(*s) for s in outside]
         outside_in = [_not_device_data(t) for t in outside_ph]
         lifter = Lifter(carry_in + x_in + outside_in + carry_ph + x_ph + outside_ph, None)
-        with lifter, _rng_state_kept():
+        with partitionable_ops(), lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in, outside_in)
         mutated = ()
     carry_out, ys = list(carry_out), list(ys)

@@ -1,0 +1,134 @@
+"""The partitionable LayerNorm scan traces with: eager values and gradients, eager's errors, no batch-norm ops,
+and no all-gather of a batch-sharded activation in the partitioned program."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+
+import torch_xla_ext as txe
+from torch_xla_ext._partitionable import layer_norm, partitionable_ops
+from torch_xla_ext.testing.tolerances import tolerance
+
+X_SHAPE = (3, 5, 4, 8)
+
+
+def _args(dtype, normalized, affine):
+    x = (torch.randn(X_SHAPE) * 3 + 1).to(dtype)
+    w = (torch.rand(normalized) + 0.5).to(dtype) if affine in ("both", "weight") else None
+    b = torch.randn(normalized).to(dtype) if affine == "both" else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("normalized", [(8,), (4, 8)], ids=["last", "last2"])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layer_norm_matches_eager_values_and_gradients(dtype, normalized, affine):
+    x, w, b = _args(dtype, normalized, affine)
+    leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
+    ours = layer_norm(x, normalized, w, b, eps=1e-5)
+    g = torch.randn_like(ours)
+    ours_grads = torch.autograd.grad(ours, leaves, g)
+    ref = F.layer_norm(x, normalized, w, b, eps=1e-5)
+    ref_grads = torch.autograd.grad(ref, leaves, g)
+    n = 1
+    for d in normalized:
+        n *= d
+    torch.testing.assert_close(ours, ref, **tolerance(dtype, n))
+    # An input's gradient reduces over the n normalized elements; a weight's or
+    # bias's also sums over the x.numel() // n rows.
+    for mine, theirs in zip(ours_grads, ref_grads):
+        scale = float(theirs.square().mean().sqrt())
+        torch.testing.assert_close(mine, theirs, **tolerance(dtype, n + x.numel() // n, scale=scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_are_normalized_in_float32_and_rounded_once(dtype):
+    x, w, b = _args(dtype, (8,), "both")
+    ours = layer_norm(x, (8,), w, b)
+    assert ours.dtype == dtype
+    # Eager CPU computes in float32 and rounds once: at most one rounding apart.
+    torch.testing.assert_close(ours, F.layer_norm(x, (8,), w, b), rtol=torch.finfo(dtype).eps, atol=0)
+    mixed = layer_norm(x, (8,), w.float(), b.float())
+    torch.testing.assert_close(mixed, F.layer_norm(x, (8,), w.float(), b.float()),
+                               rtol=torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("args", [
+    ((7,), None, None),                                # normalized shape is not the input's last dims
+    ((8,), torch.ones(7), None),                       # weight of the wrong shape
+    ((8,), None, torch.ones(8, dtype=torch.float64)),  # bias of another dtype
+], ids=["shape", "weight", "bias-dtype"])
+def test_arguments_eager_rejects_raise_eagers_error(args):
+    x = torch.randn(X_SHAPE)
+    with pytest.raises(RuntimeError) as eager:
+        F.layer_norm(x, *args)
+    with pytest.raises(RuntimeError) as ours:
+        layer_norm(x, *args)
+    assert str(ours.value) == str(eager.value)
+
+
+def test_the_mode_routes_module_and_functional_layer_norms(device):
+    norm = torch.nn.LayerNorm(8).to(device)
+    x = torch.randn(4, 8, device=device)
+
+    assert "batch-norm-training" in lazy_hlo(norm(x))
+    with partitionable_ops():
+        for fn in (norm, lambda t: F.layer_norm(t, (8,)), lambda t: torch.layer_norm(t, (8,))):
+            assert "batch-norm" not in lazy_hlo(fn(x))
+
+
+def lazy_hlo(*tensors: torch.Tensor) -> str:
+    """HLO text of the lazy graph computing ``tensors`` (before XLA's passes)."""
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def test_scan_lowers_no_batch_norm_forward_or_backward(device):
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+                                 for _ in range(3)).to(device)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    out = txe.scan_layers(layers, x)
+    (grad_x,) = torch.autograd.grad(out.square().sum(), [x])
+    text = lazy_hlo(out, grad_x)
+    assert "while" in text and "batch-norm" not in text
+
+
+_PARTITIONED = textwrap.dedent("""
+    import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+    import torch_xla_ext as txe
+    xr.use_spmd()
+    torch.manual_seed(0)
+    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32))
+                                 for _ in range(3)).to(torch_xla.device())
+    for layer in layers:
+        xs.mark_sharding(layer[1].weight, mesh, ("fsdp", None))
+    x = torch.randn(8, 16, 32).to(torch_xla.device())
+    xs.mark_sharding(x, mesh, ("fsdp", None, None))
+    out = txe.scan_layers(layers, x)
+    out.square().mean().backward()
+    torch_xla.sync()
+""")
+
+
+def test_partitioned_scan_gathers_weights_but_never_the_batch_sharded_activation(tmp_path):
+    # The batch-norm lowering made GSPMD all-gather the whole [8, 16, 32] activation
+    # (as f32[1,128,32]) before each LayerNorm and its gradient; only [32, 32]
+    # weights may be gathered now. XLA reads its dump flags at start-up: a child process.
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE")
+    subprocess.run([sys.executable, "-c", _PARTITIONED], env=env, check=True, capture_output=True, timeout=300)
+    programs = sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    assert programs, "XLA dumped no optimized program"
+    gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", programs[-1].read_text())
+    assert gathered, "the step gathers no weight: the dump is not the training step"
+    assert set(gathered) <= {"f32[32,32]"}, gathered

@@ -1,0 +1,95 @@
+"""LayerNorm written with ops XLA's SPMD partitioner can shard, for the graphs torch_xla_ext traces.
+
+PyTorch has no XLA kernel for ``native_layer_norm``. Its fallback reshapes the
+input to ``[1, rows, features]`` and normalizes it with ``batch_norm`` in
+training mode, so torch_xla emits ``batch-norm-training`` (and
+``batch-norm-grad`` in the backward). GSPMD has no partitioning rule for these
+ops and replicates them. A batch-sharded activation is then all-gathered before
+every LayerNorm and before its backward, and every device normalizes the whole
+batch.
+
+:func:`partitionable_ops` is a ``TorchFunctionMode`` that routes
+``F.layer_norm`` / ``torch.layer_norm`` to the same math written with
+reductions and elementwise ops: mean, biased variance, ``rsqrt``, affine.
+Autograd differentiates it like any other composite. The partitioner shards
+each op along the input's sharding: no gather for a batch-sharded input, and a
+partial reduction plus all-reduce when the normalized dims are sharded.
+
+Semantics are those of eager ``F.layer_norm``. Half-precision inputs are
+normalized in float32 and the result is cast back once, like PyTorch's CPU and
+CUDA kernels. The variance is the two-pass ``mean((x - mean)**2)``. The results
+differ from the batch-norm lowering only by rounding. Arguments that eager
+``F.layer_norm`` rejects go to it unchanged, so the error is PyTorch's own.
+
+``scan`` traces its step functions under this mode (see ``_scan/trace.py`` and
+``_scan/autograd.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["partitionable_ops", "layer_norm"]
+
+_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+_UPCAST = (torch.float16, torch.bfloat16)
+
+
+def _normalized_dims(shape: int | Sequence[int]) -> tuple[int, ...] | None:
+    """``normalized_shape`` as a tuple of ints, or None if it is not one (eager raises then)."""
+    if isinstance(shape, int):
+        return (shape,)
+    if isinstance(shape, torch.Size) or (isinstance(shape, (tuple, list))
+                                         and all(isinstance(d, int) for d in shape)):
+        return tuple(shape)
+    return None
+
+
+def _supported(x, dims, weight, bias, eps) -> bool:
+    """Whether the composite computes what eager ``F.layer_norm`` computes for these arguments."""
+    if dims is None or not dims or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    if x.dim() < len(dims) or tuple(x.shape[-len(dims):]) != dims:
+        return False
+    if not isinstance(eps, (int, float)):
+        return False
+    for p in (weight, bias):
+        if p is not None and (not isinstance(p, torch.Tensor) or tuple(p.shape) != dims
+                              or p.device != x.device
+                              or not (p.dtype == x.dtype or (x.dtype in _UPCAST and p.dtype == torch.float32))):
+            return False
+    return True
+
+
+def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """``F.layer_norm`` from reductions and elementwise ops (see the module docstring)."""
+    dims = _normalized_dims(normalized_shape)
+    if not _supported(x, dims, weight, bias, eps):
+        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+    reduce = tuple(range(-len(dims), 0))
+    h = x.float() if x.dtype in _UPCAST else x
+    centered = h - h.mean(reduce, keepdim=True)
+    y = centered * torch.rsqrt(centered.square().mean(reduce, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)
+
+
+class _PartitionableOps(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LAYER_NORMS:
+            return layer_norm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def partitionable_ops() -> TorchFunctionMode:
+    """A mode under which ``F.layer_norm`` / ``torch.layer_norm`` run as :func:`layer_norm`."""
+    return _PartitionableOps()
