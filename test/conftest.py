@@ -1,9 +1,10 @@
 """Test session setup: an 8-device PJRT CPU client in SPMD mode, and no test left to chance.
 
 The environment must be set before torch_xla is imported, SPMD must be enabled
-before the first XLA tensor exists, and the XLA device is touched once before
-any CPU-only backward runs (torch 2.9 sizes autograd's per-device queues at the
-first backward in the process).
+before the first XLA tensor exists, and one backward runs on the XLA device
+before any test: torch 2.9 sizes autograd's per-device queues at the first
+backward in the process, and after a CPU-only first backward every XLA
+backward fails an internal assert (``device_ready_queues_``).
 
 Every test starts from the same random state (torch, numpy and ``random`` are
 seeded before each one), and hypothesis runs derandomized with no example
@@ -27,7 +28,9 @@ import torch_xla  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
-torch.zeros(1, device=torch_xla.device())
+_probe = torch.ones(2).to(torch_xla.device()).requires_grad_()
+torch.autograd.grad(_probe.sum(), [_probe])
+del _probe
 
 pytest_plugins = ["pytester"]
 
