@@ -505,6 +505,17 @@ def targets(results, layer_counts: list[int]) -> list[tuple[str, str, str]]:
                     ", ".join(f"L={n}: {v:.2f}x" for n, v in rs.items())))
     else:
         out.append((name, "FAIL", missing or "not measured"))
+    # 2b. step time <= 1.1x JAX lax.scan on the same model at every L.
+    name = "ours step time <= 1.1x jax lax.scan (every L)"
+    jx = {n: ok("jax", n) for n in layer_counts if ok("jax", n)}
+    rj = {n: ratio(r.step_ms, jx[n].step_ms) for n, r in ours.items() if n in jx}
+    if rj:
+        out.append((name, "PASS" if all(v <= 1.1 for v in rj.values()) else "FAIL",
+                    ", ".join(f"L={n}: {v:.2f}x" for n, v in rj.items())))
+    elif not jx:
+        out.append((name, "SKIP", "jax not measured"))
+    else:
+        out.append((name, "FAIL", missing))
     # 3. tracing per step <= torch_xla scan_layers (cache on) at every L.
     name = "ours trace/step <= torch_xla scan_layers with its cache (every L)"
     rt = {n: ratio(r.trace_ms, tx[n].trace_ms) for n, r in ours.items() if n in tx}
