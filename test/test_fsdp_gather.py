@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch_xla
 
 import torch_xla_ext as txe
 from torch_xla_ext.distributed import fully_shard
@@ -45,3 +46,14 @@ def test_backward_after_an_in_place_write_to_a_parameter(device, mesh, reshard):
     else:
         loss.backward()
         assert norm.grad is not None
+
+
+def test_layer_norms_lower_to_ops_gspmd_partitions(device, mesh):
+    # PyTorch's batch-norm fallback for LayerNorm would make GSPMD gather the
+    # batch-sharded activation; fully_shard runs its forwards under partitionable_ops.
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh)
+    _, (tx, _) = batch(device, mesh)
+    loss = model(tx).float().square().mean()
+    grads = torch.autograd.grad(loss, [layer.norm.weight for layer in model.layers])
+    text = torch_xla._XLAC._get_xla_tensors_hlo([loss, *grads])
+    assert "batch-norm" not in text and "rsqrt" in text

@@ -132,3 +132,18 @@ def test_partitioned_scan_gathers_weights_but_never_the_batch_sharded_activation
     gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", programs[-1].read_text())
     assert gathered, "the step gathers no weight: the dump is not the training step"
     assert set(gathered) <= {"f32[32,32]"}, gathered
+
+
+def test_entering_again_pushes_no_second_mode():
+    from torch.overrides import _get_current_function_mode_stack
+
+    from torch_xla_ext._partitionable import _PartitionableOps
+
+    def active() -> int:
+        return sum(isinstance(m, _PartitionableOps) for m in _get_current_function_mode_stack())
+
+    with partitionable_ops():
+        with partitionable_ops():
+            assert active() == 1
+        assert active() == 1
+    assert active() == 0

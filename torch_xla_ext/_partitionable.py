@@ -22,16 +22,18 @@ differ from the batch-norm lowering only by rounding. Arguments that eager
 ``F.layer_norm`` rejects go to it unchanged, so the error is PyTorch's own.
 
 ``scan`` traces its step functions under this mode (see ``_scan/trace.py`` and
-``_scan/autograd.py``).
+``_scan/autograd.py``), and ``fully_shard`` runs its modules' forwards under it
+(``distributed/_state.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 __all__ = ["partitionable_ops", "layer_norm"]
 
@@ -90,6 +92,15 @@ class _PartitionableOps(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def partitionable_ops() -> TorchFunctionMode:
-    """A mode under which ``F.layer_norm`` / ``torch.layer_norm`` run as :func:`layer_norm`."""
-    return _PartitionableOps()
+@contextlib.contextmanager
+def partitionable_ops() -> Iterator[None]:
+    """Run ``F.layer_norm`` / ``torch.layer_norm`` as :func:`layer_norm` inside the block.
+
+    Re-entering is free: inside an active block (a fully-sharded module inside
+    another, a scan inside a fully-sharded forward) no second mode is pushed.
+    """
+    if any(isinstance(mode, _PartitionableOps) for mode in _get_current_function_mode_stack()):
+        yield
+        return
+    with _PartitionableOps():
+        yield
