@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch_xla
@@ -10,7 +12,7 @@ import torch_xla_ext as txe
 from torch_xla_ext.distributed import fully_shard
 
 from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
-from fsdp_helpers import LAYERS, batch, shard_decoder, tiny_decoder
+from fsdp_helpers import LAYERS, TRAIN_TOL, batch, loss_fn, shard_decoder, tiny_decoder
 
 
 def test_forward_gathers_each_parameter_once(device, mesh):
@@ -57,3 +59,26 @@ def test_layer_norms_lower_to_ops_gspmd_partitions(device, mesh):
     grads = torch.autograd.grad(loss, [layer.norm.weight for layer in model.layers])
     text = torch_xla._XLAC._get_xla_tensors_hlo([loss, *grads])
     assert "batch-norm" not in text and "rsqrt" in text
+
+
+@pytest.mark.parametrize("use_scan", [False, True], ids=["loop", "scan"])
+def test_frozen_and_unused_parameters_get_no_gradient(device, mesh, use_scan):
+    # All parameters of a module share one gather node: a frozen parameter must
+    # still get no gradient (and none computed for it), an unused one None.
+    cpu = tiny_decoder(use_scan=use_scan)
+    for layer in cpu.layers:
+        layer.unused = torch.nn.Parameter(torch.randn(8, 4))
+    reference = copy.deepcopy(cpu)
+    reference.use_scan = False  # the eager CPU loop
+    model = shard_decoder(cpu, mesh)
+    for m in (model, reference):
+        for layer in m.layers:
+            layer.up.weight.requires_grad_(False)
+    (tokens, targets), (tx, gx) = batch(device, mesh)
+    loss_fn(model, tx, gx).backward()
+    loss_fn(reference, tokens, targets).backward()
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        if name.endswith(("up.weight", "unused")):
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad.cpu(), ref.grad, **TRAIN_TOL, msg=name)

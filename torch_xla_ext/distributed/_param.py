@@ -162,7 +162,8 @@ def grad_sharder(mesh: Any, spec: tuple, param: torch.Tensor) -> Callable[[torch
     text = spec_string(mesh, spec, param)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if grad.device.type != "xla" or xlac()._get_xla_sharding_spec(grad) == text:
+        # None: a parameter the forward left unused (the gather node hands back None).
+        if grad is None or grad.device.type != "xla" or xlac()._get_xla_sharding_spec(grad) == text:
             return grad
         return annotate_sharding(grad, mesh, spec)
 
@@ -211,24 +212,34 @@ def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
 
 
 class Gather(torch.autograd.Function):
-    """Forward: all-gather (annotate replicated). Backward: reduce-scatter (annotate sharded).
+    """Forward: all-gather each tensor (annotate replicated). Backward: reduce-scatter each gradient.
 
-    With ``reshard``, a ``scan`` backward recomputes the gather from the
-    sharded input instead of keeping the gathered value from the forward.
+    One call gathers all the parameters a forward uses, so a step pays one
+    autograd node per fully-sharded module, not one per parameter. With
+    ``reshard``, a ``scan`` backward recomputes each gather from the sharded
+    input instead of keeping the gathered value from the forward.
     """
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh, sharded: tuple, reduce_dtype: torch.dtype | None,
-                reshard: bool) -> torch.Tensor:
-        ctx.mesh, ctx.sharded, ctx.reduce_dtype, ctx.dtype = mesh, sharded, reduce_dtype, t.dtype
-        return annotate_sharding(t, mesh, (None,) * t.dim(), recompute_in_backward=reshard)
+    def forward(ctx, mesh, specs: tuple, reduce_dtype: torch.dtype | None, reshard: bool,
+                *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mesh, ctx.specs, ctx.reduce_dtype = mesh, specs, reduce_dtype
+        ctx.dtypes = tuple(t.dtype for t in sources)
+        # A parameter the forward leaves unused gets no gradient (None), as in eager.
+        ctx.set_materialize_grads(False)
+        return tuple(annotate_sharding(t, mesh, (None,) * t.dim(), recompute_in_backward=reshard)
+                     for t in sources)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.reduce_dtype is not None:
-            grad = grad.to(ctx.reduce_dtype)
-        grad = annotate_sharding(grad, ctx.mesh, ctx.sharded)
-        return grad.to(ctx.dtype), None, None, None, None
+    def backward(ctx, *grads: torch.Tensor | None):
+        out: list[torch.Tensor | None] = [None, None, None, None]
+        for grad, spec, dtype in zip(grads, ctx.specs, ctx.dtypes):
+            if grad is not None:
+                if ctx.reduce_dtype is not None:
+                    grad = grad.to(ctx.reduce_dtype)
+                grad = annotate_sharding(grad, ctx.mesh, spec).to(dtype)
+            out.append(grad)
+        return tuple(out)
 
 
 def _check_unchanged(source: torch.Tensor, version: int) -> None:

@@ -177,29 +177,38 @@ class FSDPState:
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
         swapped: list[tuple[nn.Module, str, Any]] = []
-        gathered: dict[int, tuple[torch.Tensor, Regather]] = {}
         try:
+            uses: list[tuple[nn.Module, str, Any, int]] = []
+            index: dict[int, int] = {}
+            currents: list[nn.Parameter] = []
+            sources: list[torch.Tensor] = []
+            specs: list[tuple] = []
             for slot in self.slots:
                 holder = slot.holder
                 if holder is None:
                     continue
                 current = holder._parameters[slot.name]
-                value = gathered.get(id(current))
-                if value is None:
+                k = index.get(id(current))
+                if k is None:
+                    k = index[id(current)] = len(sources)
                     source = current
                     if mp.param_dtype is not None and source.is_floating_point():
                         source = source.to(mp.param_dtype)
-                    full = Gather.apply(source, self.mesh_text, slot.spec, mp.reduce_dtype, self.reshard_after_forward)
-                    value = (full, Regather(current, source.dtype, self.mesh_text, current.dim()))
-                    gathered[id(current)] = value
-                holder._parameters[slot.name] = value[0]
-                swapped.append((holder, slot.name, current))
+                    currents.append(current)
+                    sources.append(source)
+                    specs.append(slot.spec)
+                uses.append((holder, slot.name, current, k))
+            fulls = self._gather(sources, specs)
+            for holder, name, current, k in uses:
+                holder._parameters[name] = fulls[k]
+                swapped.append((holder, name, current))
             compiling = torch.compiler.is_compiling()
-            if compiling and self.reshard_after_forward and gathered and torch.is_grad_enabled():
+            if compiling and self.reshard_after_forward and sources and torch.is_grad_enabled():
                 _warn_compiled_reshard()
-            traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(swapped)
-            if self.reshard_after_forward and gathered and torch.is_grad_enabled() and not traced:
-                packed = {id(full): (full, regather) for full, regather in gathered.values()}
+            traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(currents)
+            if self.reshard_after_forward and sources and torch.is_grad_enabled() and not traced:
+                packed = {id(full): (full, Regather(current, source.dtype, self.mesh_text, current.dim()))
+                          for full, current, source in zip(fulls, currents, sources)}
 
                 def pack(t: torch.Tensor) -> Any:
                     hit = packed.get(id(t))
@@ -222,6 +231,19 @@ class FSDPState:
         # Keep activations sharded over the fsdp axis on their leading (batch)
         # dimension, so the compiler gathers weights rather than activations.
         return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
+
+    def _gather(self, sources: list[torch.Tensor], specs: list[tuple]) -> list[torch.Tensor]:
+        """Each source gathered: one :class:`Gather` node for those that need a gradient."""
+        reshard = self.reshard_after_forward
+        fulls = [annotate_sharding(t, self.mesh_text, (None,) * t.dim(), recompute_in_backward=reshard)
+                 if not t.requires_grad else None for t in sources]
+        needs = [k for k, full in enumerate(fulls) if full is None]
+        if needs:
+            gathered = Gather.apply(self.mesh_text, tuple(specs[k] for k in needs), self.mp_policy.reduce_dtype,
+                                    reshard, *(sources[k] for k in needs))
+            for k, full in zip(needs, gathered):
+                fulls[k] = full
+        return fulls
 
     @staticmethod
     def _ops(compiling: bool) -> contextlib.AbstractContextManager:
@@ -252,15 +274,16 @@ def _warn_compiled_reshard() -> bool:
     return True
 
 
-def _on_fake_tensors(swapped: list[tuple[nn.Module, str, Any]]) -> bool:
+def _on_fake_tensors(params: list[nn.Parameter]) -> bool:
     """True while a tracer other than scan (torch.compile) runs the forward on fake tensors.
 
     Inside scan, :func:`~torch_xla_ext._annotate.in_scan_autograd_trace` says
-    so; saved-tensor hooks cannot pack fake values under any tracer.
+    so; saved-tensor hooks cannot pack fake values under any tracer. A tracer
+    fakes every parameter of a forward or none: the first one answers.
     """
     from torch._subclasses.fake_tensor import is_fake
 
-    return any(isinstance(current, torch.Tensor) and is_fake(current) for _, _, current in swapped)
+    return bool(params) and is_fake(params[0])
 
 
 @dataclasses.dataclass
