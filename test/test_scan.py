@@ -181,6 +181,48 @@ def test_gradient_only_to_closure(device):
     assert_close_derived(w.grad, w_ref.grad, 4 * 3)
 
 
+@pytest.mark.parametrize("loss", ["carry", "ys", "both"])
+def test_inputs_no_output_depends_on_get_no_gradient(device, loss):
+    # As in the Python loop, .grad stays None (an optimizer skips the tensor)
+    # for a tensor no output depends on; zeros would let weight decay move it.
+    host = [torch.randn(3, 3), torch.randn(3, 3), torch.randn(3), torch.randn(4, 3)]
+
+    def run(w, unused, init, xs_, scan):
+        def step(c, x):
+            return torch.sin(x @ w), c.sum() + (unused * 0).detach().sum()
+
+        carry, ys = scan(step, init, xs_)
+        {"carry": carry.sum(), "ys": ys.sum(), "both": carry.sum() + ys.sum()}[loss].backward()
+        return [t.grad is None for t in (w, unused, init, xs_)]
+
+    ours = run(*[t.to(device).requires_grad_() for t in host], txe.scan)
+    eager = run(*[t.clone().requires_grad_() for t in host], python_scan)
+    assert ours == eager
+    assert ours[1], "the unused tensor must get no gradient"
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 6, 7])
+def test_no_gradient_through_carry_components_that_swap_each_iteration(device, length):
+    # (a, b) -> (b * w, a): which init component reaches carry[0] depends on the parity.
+    host = [torch.randn(3), torch.randn(3), torch.randn(3)]
+
+    def run(a, b, w, scan):
+        (c0, _), _ = scan(lambda c, x: ((c[1] * w, c[0]), None), (a, b), None, length=length)
+        c0.sum().backward()
+        return [t.grad is None for t in (a, b, w)]
+
+    ours = run(*[t.to(device).requires_grad_() for t in host], txe.scan)
+    assert ours == run(*[t.clone().requires_grad_() for t in host], python_scan)
+    assert ours[:2] == ([True, False] if length % 2 else [False, True])
+
+
+def test_zero_iterations_still_pass_the_carry_gradient(device):
+    init = torch.randn(3).to(device).requires_grad_()
+    carry, _ = txe.scan(lambda c, x: (x * 2, None), init, torch.zeros(0, 3).to(device))
+    carry.sum().backward()
+    torch.testing.assert_close(init.grad.cpu(), torch.ones(3))
+
+
 @pytest.mark.parametrize("partition", [None, min_cut_rematerialization_partition], ids=["save", "mincut"])
 def test_backward_rereads_views_of_xs_instead_of_stacking_them(device, partition):
     from torch_xla_ext._scan.autograd import _GradPlan, _Input, _Recompute

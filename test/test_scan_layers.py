@@ -32,6 +32,16 @@ def test_scan_layers_matches_the_plain_loop(device):
         assert_close_derived(p.grad, p_ref.grad, 4 * (16 + 32) * 5, msg=name)
 
 
+def test_a_member_the_layers_do_not_use_gets_no_gradient(device):
+    # As in the plain loop: None, which optimizers skip (zeros would be decayed).
+    layers = make_blocks(3).to(device)
+    for layer in layers:
+        layer.spare = torch.nn.Parameter(torch.randn(4).to(device))
+    txe.scan_layers(layers, torch.randn(5, 16).to(device)).square().sum().backward()
+    for name, p in layers.named_parameters():
+        assert (p.grad is None) == name.endswith("spare"), name
+
+
 @pytest.mark.parametrize("shape, tiles, merged", [
     ((128, 512), (8, 1), ((65536,), (8,))),        # sharded major dim: one contiguous block per device
     ((128, 512), (1, 8), ((128, 512), (1, 8))),     # sharded minor dim: nothing to merge

@@ -231,6 +231,7 @@ class _GradPlan:
         out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
         placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]
         saved_nodes = out_nodes[len(outs):]
+        self.reach = _reach(self.bw, len(saved_nodes), self.tangent_mask, len(args))
         # Where each saved activation comes from (see _Saved).
         self.saved_src: list[_Saved] = []
         stacked = 0
@@ -311,6 +312,56 @@ def _is_float_dtype(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+def _reach(bw: torch.fx.GraphModule | None, n_saved: int, tangent_mask: list[bool], n_in: int) -> list[frozenset[int]]:
+    """For each primal input of the step, the outputs (carry_out + ys, by position) whose gradient reaches it.
+
+    Read from the backward graph: the gradient of input ``k`` depends on the
+    tangent of output ``o`` exactly when ``o`` depends differentiably on ``k``.
+    """
+    if bw is None:
+        return [frozenset()] * n_in
+    outputs = [o for o, m in enumerate(tangent_mask) if m]
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    deps: dict[torch.fx.Node, frozenset[int]] = {
+        node: frozenset([outputs[j]]) for j, node in enumerate(placeholders[n_saved:])}
+    for node in bw.graph.nodes:
+        if node.op != "placeholder" and node.op != "output":
+            deps[node] = frozenset().union(*(deps.get(a, frozenset()) for a in node.all_input_nodes))
+    grads = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
+    return [deps.get(grads[k], frozenset()) if k < len(grads) and isinstance(grads[k], torch.fx.Node)
+            else frozenset() for k in range(n_in)]
+
+
+def _reached(plan: "_GradPlan", used: list[bool]) -> tuple[set[int], set[int], set[int]]:
+    """The carry, x and outside inputs (by position) whose gradient the used outputs reach over the whole loop.
+
+    ``used`` says which of carry_out + ys the loss depends on. Going back from
+    the last iteration, a carry input is reached when an output that is used
+    (a y, or a carry component reached in the iteration after) depends on it.
+    """
+    n_c, n_x = plan.n_c, plan.n_x
+    reach = plan.reach
+    ys_used = {n_c + j for j in range(plan.num_y) if used[n_c + j]}
+    live = {i for i in range(n_c) if used[i]}
+    x_hit: set[int] = set()
+    outside_hit: set[int] = set()
+    states: list[frozenset[int]] = [frozenset(live)]  # states[t]: live carry after t iterations back
+    first: dict[frozenset[int], int] = {states[0]: 0}
+    for t in range(1, plan.length + 1):
+        targets = states[-1] | ys_used
+        x_hit |= {j for j in range(n_x) if reach[n_c + j] & targets}
+        outside_hit |= {k for k in range(plan.n_o) if reach[n_c + n_x + k] & targets}
+        state = frozenset(i for i in range(n_c) if reach[i] & targets)
+        if state in first:
+            # The states cycle from here on: every x / outside they reach is
+            # already counted, and the carry after `length` steps is known.
+            start = first[state]
+            return set(states[start + (plan.length - t) % (t - start)]), x_hit, outside_hit
+        first[state] = t
+        states.append(state)
+    return set(states[-1]), x_hit, outside_hit
+
+
 class _ScanFunction(torch.autograd.Function):
     """Forward loop saving activations; backward loop in reverse."""
 
@@ -328,6 +379,7 @@ class _ScanFunction(torch.autograd.Function):
         ctx.save_for_backward(*stacked, *[xs[j] for j in plan.x_aliased], *outside)
         outs = carry + ys
         ctx.mark_non_differentiable(*[t for t in outs if not _is_float(t)])
+        ctx.set_materialize_grads(False)  # an output the loss does not use: None (see _reached)
         return tuple(outs)
 
     @staticmethod
@@ -359,6 +411,13 @@ class _ScanFunction(torch.autograd.Function):
         grad_xs: list[torch.Tensor | None] = [None] * n_x
         for j, g in zip([j for j in range(n_x) if plan.grad_mask[n_c + j]], gxs):
             grad_xs[j] = g
+        # An input no used output depends on gets None, as in the Python loop
+        # (where zeros would let an optimizer's weight decay or momentum move it).
+        init_hit, x_hit, outside_hit = _reached(plan, [g is not None for g in grads])
+        for values, hit in ((grad_init, init_hit), (grad_xs, x_hit), (grad_outside_vals, outside_hit)):
+            for k in range(len(values)):
+                if k not in hit:
+                    values[k] = None
         # Gradients are sharded like the tensors they belong to.
         _apply_shardings(grad_init, ctx.shardings[:n_c])
         _apply_shardings(grad_xs, ctx.shardings[n_c:n_c + n_x])

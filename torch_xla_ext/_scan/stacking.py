@@ -181,10 +181,13 @@ class _Stack(torch.autograd.Function):
     def forward(ctx, *members: torch.Tensor) -> torch.Tensor:
         ctx.shardings = [_sharding_of(t) for t in members]
         ctx.shape = tuple(members[0].shape)
+        ctx.set_materialize_grads(False)
         return _stack(members)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:  # the members reach no output (see _ScanFunction.backward)
+            return (None,) * len(ctx.shardings)
         grads = _unstack(grad, ctx.shape)
         _apply_shardings(grads, ctx.shardings)
         return tuple(grads)
