@@ -77,21 +77,24 @@ def _stacked_layout(member: torch.Tensor) -> tuple[tuple[int, ...], Callable[[to
         # propagation should decide leaves the stacked tensor unannotated.
         if not devices_text or not re.fullmatch(r"[\d,]+", devices_text):
             return
-        import torch_xla.distributed.spmd as xs
-
-        mesh = _tile_mesh(flat_tiles + tiles[len(shape):], devices_text)
-        xs.mark_sharding(stacked, mesh, (None, *mesh.axis_names[:len(flat)]))
+        xlac()._xla_mark_sharding(stacked, _stacked_sharding(flat_tiles + tiles[len(shape):], devices_text, len(flat)))
 
     return flat, shard
 
 
 @functools.lru_cache(maxsize=256)
-def _tile_mesh(dims: tuple[int, ...], devices_text: str):
-    """A mesh whose axes are the tile dimensions of a sharding string (one per distinct sharding)."""
+def _stacked_sharding(dims: tuple[int, ...], devices_text: str, member_dims: int):
+    """The ``OpSharding`` of a stacked tensor: unsharded leading dim, then a member's tiles (made once per tiling).
+
+    Applied with ``_xla_mark_sharding`` directly: ``xs.mark_sharding`` tries to
+    import torchax on every call, which re-runs the import each step where
+    torchax is installed but cannot load.
+    """
     import torch_xla.distributed.spmd as xs
 
     ids = np.array([int(v) for v in devices_text.split(",")])
-    return xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
+    mesh = xs.Mesh(ids, dims, tuple(f"axis{i}" for i in range(len(dims))))
+    return mesh.get_op_sharding((None, *mesh.axis_names[:member_dims]))
 
 
 # Handing the stacked gradient back with L constant-offset ``slice``s costs one
@@ -197,5 +200,5 @@ class _Stack(torch.autograd.Function):
 def _clear_stacking() -> None:
     _stack_computation.cache_clear()
     _unstack_computation.cache_clear()
-    _tile_mesh.cache_clear()
+    _stacked_sharding.cache_clear()
     _index_tensors.clear()
