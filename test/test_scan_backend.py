@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch_xla
@@ -17,7 +19,7 @@ X = torch_xla._XLAC
 
 
 def _step(c, x):
-    return c * x + 1.0, c.sum()
+    return c * x + 1.0, (c.sum(), c * x)
 
 
 def _lowered(outputs) -> str:
@@ -36,12 +38,15 @@ def test_scan_lowers_the_guard_only_for_xla_cpu_and_uploads_nothing(device, on):
     with forced_cpu_codegen(on), measure_transfers() as moved:
         carry, ys = txe.scan(_step, init, xs_)  # the first scan after clearing the cache
     assert moved.stats.h2d_transfers == 0 and not moved.device_to_host, moved.report()
-    hlo = _lowered([carry, ys])
-    # The guard is select(iota(rows) < bound, ...), the bound the loop counter | 2**30.
+    hlo = _lowered([carry, *ys])
+    # Reads: select(iota(rows) < bound, ...); stores: select(bound > 0, ...); the
+    # bound is the loop counter | 2**30.
     assert ("iota" in hlo) == on and ("select" in hlo) == on and ("or(" in hlo) == on, hlo
+    assert bool(re.search(r"pred\[\] compare\([^\n]*direction=GT", hlo)) == on, hlo
     assert "s32[1]" not in hlo  # the bound is not an operand on any backend
     torch.testing.assert_close(carry.cpu(), torch.full((4,), 1.875))
-    torch.testing.assert_close(ys.cpu(), torch.tensor([4.0, 6.0, 7.0]))
+    torch.testing.assert_close(ys[0].cpu(), torch.tensor([4.0, 6.0, 7.0]))
+    torch.testing.assert_close(ys[1].cpu(), torch.tensor([[0.5] * 4, [0.75] * 4, [0.875] * 4]))
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["cpu", "other_backend"])

@@ -10,7 +10,7 @@ import torch
 
 from ..lowering import LoweringContext
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _guard, cpu_codegen, runtime_bound
+from .backend import _guard, _scalar_guard, cpu_codegen, runtime_bound
 from .trace import _signature, _Traced
 
 
@@ -156,7 +156,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         new_ys = []
         for k, stacked in enumerate(ops.ys):
             y = result.get_tuple_element(layout.num_carry + k)
-            y = _guard(bound, _sizes(y), y.shape().dtype)(y)
+            y = _scalar_guard(bound, _sizes(y), y.shape().dtype)(y)
             new_ys.append(_update_op(stacked, y, idx, zero))
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
         return xb.Op.tuple(layout.join(ops._replace(i=ops.i + one, carry=new_carry, ys=new_ys)))
