@@ -147,3 +147,24 @@ def test_entering_again_pushes_no_second_mode():
             assert active() == 1
         assert active() == 1
     assert active() == 0
+
+
+def test_layer_norm_hooks_are_idempotent_survive_copies_and_leave_no_mode_behind(device):
+    import copy
+
+    from torch.overrides import _get_current_function_mode_stack
+
+    from torch_xla_ext._partitionable import partition_layer_norms
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(device)
+    partition_layer_norms(model.modules())
+    partition_layer_norms(model.modules())
+    assert len(model[1]._forward_pre_hooks) == 1 and len(model[1]._forward_hooks) == 1
+    x = torch.randn(4, 8, device=device)
+    for m in (model, copy.deepcopy(model)):
+        assert "batch-norm" not in lazy_hlo(m(x))
+        # Only the LayerNorm's own forward runs under the mode.
+        assert not _get_current_function_mode_stack()
+    with pytest.raises(RuntimeError):
+        model[1](torch.randn(4, 7, device=device))  # eager's shape error, raised under the mode
+    assert not _get_current_function_mode_stack()

@@ -18,7 +18,6 @@ nothing to the host.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 import weakref
@@ -31,7 +30,6 @@ import torch.utils._pytree as pytree
 from ._weak import WeakIdMap
 
 from .._annotate import annotate_sharding, in_scan_autograd_trace, mesh_text, shard_activation
-from .._partitionable import partitionable_ops
 from ._param import Gather, Regather, axis_size, place, spec_string
 
 __all__ = [
@@ -217,11 +215,10 @@ class FSDPState:
                 def unpack(obj: Any) -> torch.Tensor:
                     return obj.unpack() if isinstance(obj, Regather) else obj
 
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack), self._ops(compiling):
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     out = forward(module, *args, **kwargs)
             else:
-                with self._ops(compiling):
-                    out = forward(module, *args, **kwargs)
+                out = forward(module, *args, **kwargs)
         finally:
             for holder, name, current in reversed(swapped):
                 holder._parameters[name] = current
@@ -244,11 +241,6 @@ class FSDPState:
             for k, full in zip(needs, gathered):
                 fulls[k] = full
         return fulls
-
-    @staticmethod
-    def _ops(compiling: bool) -> contextlib.AbstractContextManager:
-        """LayerNorm as ops GSPMD partitions (see ``_partitionable``); left to dynamo when compiling."""
-        return contextlib.nullcontext() if compiling else partitionable_ops()
 
     def _shard_batch(self, t: torch.Tensor) -> torch.Tensor:
         if (t.device.type != "xla" or not t.is_floating_point() or t.dim() == 0

@@ -104,6 +104,7 @@ from ._state import (
     register_replicate,
     replicate_state,
 )
+from .._partitionable import partition_layer_norms
 from . import _traversal
 from ._traversal import lr_dfs
 
@@ -287,6 +288,8 @@ def fully_shard(
     # Dynamo's marks: module's tree, minus everything a replicated module reaches.
     inside_replicated = {id(sub) for r in found.replicated for sub in _traversal.module_tree(r).modules}
     mark_managed([m for m in found.own.modules if id(m) not in inside_replicated], True)
+    # LayerNorm without PyTorch's batch-norm fallback, which GSPMD replicates.
+    partition_layer_norms(m for m in found.own.modules if id(m) not in inside_replicated)
     return module  # type: ignore[return-value]
 
 
