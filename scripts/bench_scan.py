@@ -497,35 +497,27 @@ def targets(results, layer_counts: list[int]) -> list[tuple[str, str, str]]:
                     f"{rc:.2f}x ({ours[at].compile_s:.2f}s vs {unr[at].compile_s:.2f}s)"))
     else:
         out.append((name, "FAIL", missing or "not measured"))
+    def every_l(name: str, ratios: dict[int, float], limit: float, other: dict, other_name: str) -> None:
+        """A ratio target checked at every L measured; SKIP when the other method did not run."""
+        if ratios:
+            out.append((name, "PASS" if all(v <= limit for v in ratios.values()) else "FAIL",
+                        ", ".join(f"L={n}: {v:.2f}x" for n, v in ratios.items())))
+        elif not other:
+            out.append((name, "SKIP", f"{other_name} not measured"))
+        else:
+            out.append((name, "FAIL", missing))
+
     # 2. step time <= 1.15x unrolled at every L.
-    name = "ours step time <= 1.15x unrolled (every L)"
-    rs = {n: ratio(r.step_ms, unr[n].step_ms) for n, r in ours.items() if n in unr}
-    if rs:
-        out.append((name, "PASS" if all(v <= 1.15 for v in rs.values()) else "FAIL",
-                    ", ".join(f"L={n}: {v:.2f}x" for n, v in rs.items())))
-    else:
-        out.append((name, "FAIL", missing or "not measured"))
+    every_l("ours step time <= 1.15x unrolled (every L)",
+            {n: ratio(r.step_ms, unr[n].step_ms) for n, r in ours.items() if n in unr}, 1.15, unr, "unrolled")
     # 2b. step time <= 1.1x JAX lax.scan on the same model at every L.
-    name = "ours step time <= 1.1x jax lax.scan (every L)"
     jx = {n: ok("jax", n) for n in layer_counts if ok("jax", n)}
-    rj = {n: ratio(r.step_ms, jx[n].step_ms) for n, r in ours.items() if n in jx}
-    if rj:
-        out.append((name, "PASS" if all(v <= 1.1 for v in rj.values()) else "FAIL",
-                    ", ".join(f"L={n}: {v:.2f}x" for n, v in rj.items())))
-    elif not jx:
-        out.append((name, "SKIP", "jax not measured"))
-    else:
-        out.append((name, "FAIL", missing))
+    every_l("ours step time <= 1.1x jax lax.scan (every L)",
+            {n: ratio(r.step_ms, jx[n].step_ms) for n, r in ours.items() if n in jx}, 1.1, jx, "jax")
     # 3. tracing per step <= torch_xla scan_layers (cache on) at every L.
-    name = "ours trace/step <= torch_xla scan_layers with its cache (every L)"
-    rt = {n: ratio(r.trace_ms, tx[n].trace_ms) for n, r in ours.items() if n in tx}
-    if rt:
-        out.append((name, "PASS" if all(v <= 1.0 for v in rt.values()) else "FAIL",
-                    ", ".join(f"L={n}: {v:.2f}x" for n, v in rt.items())))
-    elif not tx:
-        out.append((name, "SKIP", "torch_xla scan_layers not measured"))
-    else:
-        out.append((name, "FAIL", missing))
+    every_l("ours trace/step <= torch_xla scan_layers with its cache (every L)",
+            {n: ratio(r.trace_ms, tx[n].trace_ms) for n, r in ours.items() if n in tx}, 1.0, tx,
+            "torch_xla scan_layers")
     return out
 
 
