@@ -52,7 +52,7 @@ def test_backward_after_an_in_place_write_to_a_parameter(device, mesh, reshard):
 
 def test_layer_norms_lower_to_ops_gspmd_partitions(device, mesh):
     # PyTorch's batch-norm fallback for LayerNorm would make GSPMD gather the
-    # batch-sharded activation; fully_shard runs its forwards under partitionable_ops.
+    # batch-sharded activation; fully_shard hooks the nn.LayerNorms it manages.
     model = shard_decoder(tiny_decoder(use_scan=False), mesh)
     _, (tx, _) = batch(device, mesh)
     loss = model(tx).float().square().mean()
@@ -63,8 +63,8 @@ def test_layer_norms_lower_to_ops_gspmd_partitions(device, mesh):
 
 @pytest.mark.parametrize("use_scan", [False, True], ids=["loop", "scan"])
 def test_frozen_and_unused_parameters_get_no_gradient(device, mesh, use_scan):
-    # All parameters of a module share one gather node: a frozen parameter must
-    # still get no gradient (and none computed for it), an unused one None.
+    # A module's parameters share one gather node; frozen ones are gathered
+    # outside it. Both a frozen and an unused parameter keep .grad None.
     cpu = tiny_decoder(use_scan=use_scan)
     for layer in cpu.layers:
         layer.unused = torch.nn.Parameter(torch.randn(8, 4))

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._partitionable import partitionable_ops
 from .._annotate import behind_barrier, regather_mark, scan_autograd_trace
+from .._partitionable import partitionable_ops
 from .._xla import torch_xla_device
 from .lift import Lifter
 from .loop import _Loop, _lower, _run
@@ -322,6 +322,10 @@ def _reach(bw: torch.fx.GraphModule | None, n_saved: int, tangent_mask: list[boo
         return [frozenset()] * n_in
     outputs = [o for o, m in enumerate(tangent_mask) if m]
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) - n_saved != len(outputs):  # pragma: no cover - a graph laid out otherwise
+        # Not saved tensors then tangents: claim every output reaches every
+        # input, so gradients stay as computed (zeros at worst, never dropped).
+        return [frozenset(range(len(tangent_mask)))] * n_in
     deps: dict[torch.fx.Node, frozenset[int]] = {
         node: frozenset([outputs[j]]) for j, node in enumerate(placeholders[n_saved:])}
     for node in bw.graph.nodes:
