@@ -51,6 +51,24 @@ def test_layer_norm_matches_eager_values_and_gradients(dtype, normalized, affine
         torch.testing.assert_close(mine, theirs, **tolerance(dtype, n + x.numel() // n, scale=scale))
 
 
+@pytest.mark.parametrize("affine", ["both", "none"])
+def test_second_derivatives_match_eager(affine):
+    # The closed-form backward recomputes its statistics under create_graph.
+    x, w, b = _args(torch.float64, (4, 8), affine)
+    leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
+    g = torch.randn(X_SHAPE, dtype=torch.float64)
+    results = []
+    for fn in (layer_norm, F.layer_norm):
+        first = torch.autograd.grad((fn(x, (4, 8), w, b) * g).sum(), leaves, create_graph=True)
+        second = torch.autograd.grad(sum((f * f).sum() for f in first), leaves, allow_unused=True)
+        results.append(first + second)
+    for mine, theirs in zip(*results):
+        assert (mine is None) == (theirs is None)
+        if theirs is not None:
+            torch.testing.assert_close(mine, theirs,
+                                       **tolerance(torch.float64, 64 + 60, scale=float(theirs.detach().abs().max())))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_are_normalized_in_float32_and_rounded_once(dtype):
     x, w, b = _args(dtype, (8,), "both")
