@@ -154,29 +154,22 @@ def _active() -> bool:
     return any(isinstance(mode, _PartitionableOps) for mode in _get_current_function_mode_stack())
 
 
-# The modes the hooks below entered, per thread: one entry per forward in flight
-# (None where a mode was already active).
+# The blocks the hooks below entered, per thread: one per LayerNorm forward in flight.
 _entered = threading.local()
 
 
 def _enter(module: nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():  # dynamo traces the module as PyTorch lowers it
         return
-    stack = _entered.__dict__.setdefault("modes", [])
-    if _active():
-        stack.append(None)
-        return
-    mode = _PartitionableOps()
-    mode.__enter__()
-    stack.append(mode)
+    block = partitionable_ops()
+    block.__enter__()
+    _entered.__dict__.setdefault("blocks", []).append(block)
 
 
 def _exit(module: nn.Module, args: tuple, output: object) -> None:
     if torch.compiler.is_compiling():
         return
-    mode = _entered.modes.pop()
-    if mode is not None:
-        mode.__exit__(None, None, None)
+    _entered.blocks.pop().__exit__(None, None, None)
 
 
 def partition_layer_norms(modules: Iterable[nn.Module]) -> None:

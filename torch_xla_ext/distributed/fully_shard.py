@@ -287,9 +287,10 @@ def fully_shard(
         hook_loads(m)
     # Dynamo's marks: module's tree, minus everything a replicated module reaches.
     inside_replicated = {id(sub) for r in found.replicated for sub in _traversal.module_tree(r).modules}
-    mark_managed([m for m in found.own.modules if id(m) not in inside_replicated], True)
+    managed = [m for m in found.own.modules if id(m) not in inside_replicated]
+    mark_managed(managed, True)
     # LayerNorm without PyTorch's batch-norm fallback, which GSPMD replicates.
-    partition_layer_norms(m for m in found.own.modules if id(m) not in inside_replicated)
+    partition_layer_norms(managed)
     return module  # type: ignore[return-value]
 
 
