@@ -1,8 +1,14 @@
-"""The XLA:CPU lowering choices (row guard, merged stacking) apply only behind their switch; neither uploads anything."""
+"""The XLA:CPU lowering choices (index guard, merged stacking) apply only behind their switch; neither uploads
+anything; the guard does not depend on the SPMD partition."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -39,7 +45,7 @@ def test_scan_lowers_the_guard_only_for_xla_cpu_and_uploads_nothing(device, on):
         carry, ys = txe.scan(_step, init, xs_)  # the first scan after clearing the cache
     assert moved.stats.h2d_transfers == 0 and not moved.device_to_host, moved.report()
     hlo = _lowered([carry, *ys])
-    # Reads: select(iota(rows) < bound, ...); stores: select(bound > 0, ...); the
+    # Reads: select(iota < bound, ...); stores: select(bound > 0, ...); the
     # bound is the loop counter | 2**30.
     assert ("iota" in hlo) == on and ("select" in hlo) == on and ("or(" in hlo) == on, hlo
     assert bool(re.search(r"pred\[\] compare\([^\n]*direction=GT", hlo)) == on, hlo
@@ -87,3 +93,34 @@ def test_the_environment_variable_forces_the_choice(device, monkeypatch):
     monkeypatch.setenv(CPU_CODEGEN_ENV, "yes")
     with pytest.raises(ValueError, match="must be 1 .* or 0"):
         cpu_codegen()
+
+
+_PARTITIONED_SCAN = textwrap.dedent("""
+    import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+    import torch_xla_ext as txe
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+    init = torch.ones(16, 32).to(torch_xla.device())
+    seq = torch.randn(3, 16, 32).to(torch_xla.device())
+    xs.mark_sharding(init, mesh, ("fsdp", None))
+    xs.mark_sharding(seq, mesh, (None, "fsdp", None))
+    carry, ys = txe.scan(lambda c, x: (c * x + 1.0, c * x), init, seq)
+    torch_xla.sync()
+""")
+
+
+def test_the_guard_of_a_batch_sharded_read_does_not_depend_on_the_partition(tmp_path):
+    # An iota along the sharded batch dim differs per partition: XLA hoisted it
+    # out of the loop as an s32[2,32] table the loop carried and read every
+    # iteration. Along the last (unsharded) dim it is the same on every device and
+    # stays inside the loop body. XLA reads its dump flags at start-up: a child process.
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE")
+    subprocess.run([sys.executable, "-c", _PARTITIONED_SCAN], env=env, check=True, capture_output=True, timeout=300)
+    programs = sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    assert programs, "XLA dumped no optimized program"
+    loops = re.findall(r"= \(([^=]*)\) while\(", programs[-1].read_text())
+    assert len(loops) == 1, loops
+    # Counter, carry shard, xs shard, ys shard: nothing else rides along the loop.
+    operands = re.sub(r"\{[\d,]*\}", "", loops[0]).split(", ")
+    assert operands == ["s64[]", "f32[2,32]", "f32[3,2,32]", "f32[3,2,32]"], operands

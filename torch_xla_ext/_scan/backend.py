@@ -6,19 +6,24 @@ copy loop over a small block completely: a ``[16, 512]`` block becomes ~350 KB
 of IR that compiles slower than the rest of its fusion together. Two lowering
 choices exist only to keep that code small:
 
-* the **row guard** (:func:`_guard`): every slice a loop reads and every
+* the **index guard** (:func:`_guard`): every slice a loop reads and every
   gradient ``scan_layers`` hands back goes through
-  ``select(iota(rows) < bound, value, 0)``, ``bound`` a value always above the
-  row count that XLA cannot compute at compile time (:func:`runtime_bound`:
-  ``index | 2**30`` of a runtime index already there, the loop counter or a
-  member offset), so the copy loops stay loops; unlike arithmetic the select
-  keeps every bit. Every value a loop stores goes through the cheaper
-  :func:`_scalar_guard`, ``select(bound > 0, value, 0)``: under SPMD the row
-  index of a sharded value depends on the partition, XLA hoists it out of the
-  loop, and every iteration then reads it from memory next to the value.
-  Measured side by side (decoder blocks, 8 devices): stores with the scalar
-  guard run the step 5-7% faster at L = 4, 8 and 16 with the same compile
-  time; a scalar guard on the reads instead compiles 1.5x slower;
+  ``select(iota < bound, value, 0)``, the iota along the value's last
+  dimension and ``bound`` a value always above that dimension's size that XLA
+  cannot compute at compile time (:func:`runtime_bound`: ``index | 2**30`` of
+  a runtime index already there, the loop counter or a member offset), so the
+  copy loops stay loops; unlike arithmetic the select keeps every bit. The
+  iota runs along the last dimension because SPMD layouts leave it unsharded
+  (batch-sharded activations, FSDP's dim-0 parameter shards): an iota along
+  a sharded dimension depends on the partition, XLA hoists it out of the loop
+  as a table, and every iteration then reads that table from memory next to
+  the value. Measured side by side (``fully_shard`` + ``scan_layers``, decoder
+  blocks, 8 devices, L = 4 / 8 / 16): the last-dimension iota runs the step's
+  device time 5-7% faster and compiles 15-20% faster than a first-dimension
+  one. Every value a loop stores goes through the cheaper
+  :func:`_scalar_guard`, ``select(bound > 0, value, 0)`` (measured with the
+  first-dimension guard: 5-7% faster steps, the same compile time); a scalar
+  guard on the reads instead compiles 1.5x slower;
 * **merged stacking layouts** (:func:`~torch_xla_ext._scan.stacking._merged`):
   stacked members with their unsharded dims merged, so each device copies 1-D
   blocks.
@@ -76,12 +81,12 @@ def forced_cpu_codegen(on: bool) -> Iterator[None]:
         _forced.pop()
 
 
-#: Rows the guard handles: a bound is ``index | _BOUND_BIT``, at least this.
+#: The largest guarded dimension: a bound is ``index | _BOUND_BIT``, at least this.
 _BOUND_BIT = 2**30
 
 
 def runtime_bound(index):
-    """An S32 scalar above every guarded row count, known only at run time.
+    """An S32 scalar above every guarded dimension's size, known only at run time.
 
     ``index`` is an integer scalar the computation reads at run time and that
     is in ``[0, 2**30)`` (the loop counter, a member offset); XLA does not
@@ -93,18 +98,18 @@ def runtime_bound(index):
 
 
 def _guard(bound, sizes: list[int], etype) -> Callable:
-    """``value -> select(iota(rows) < bound, value, 0)`` for values of ``sizes``.
+    """``value -> select(iota < bound, value, 0)`` for values of ``sizes``, the iota along the last dim.
 
     ``bound`` comes from :func:`runtime_bound`; with ``bound=None`` (not
-    :func:`cpu_codegen`), for scalars, and for more rows than the bound
+    :func:`cpu_codegen`), for scalars, and for a last dim longer than the bound
     covers, the identity.
     """
-    if bound is None or not sizes or sizes[0] >= _BOUND_BIT:
+    if bound is None or not sizes or sizes[-1] >= _BOUND_BIT:
         return lambda value: value
     xb = xla_builder()
     b = bound.builder()
-    rows = xb.Op.iota(b, xb.mkshape(xb.Type.S32, tuple(sizes)), 0)
-    keep = rows < bound.broadcast(sizes)
+    index = xb.Op.iota(b, xb.mkshape(xb.Type.S32, tuple(sizes)), len(sizes) - 1)
+    keep = index < bound.broadcast(sizes)
     zeros = xb.Op.zero(b, dtype=etype).broadcast(sizes)
     return lambda value: keep.select(value, zeros)
 
@@ -112,10 +117,10 @@ def _guard(bound, sizes: list[int], etype) -> Callable:
 def _scalar_guard(bound, sizes: list[int], etype) -> Callable:
     """``value -> select(bound > 0, value, 0)`` for values of ``sizes``: the guard of stored values.
 
-    The predicate is one runtime scalar (always true), so no row index is
+    The predicate is one runtime scalar (always true), so no index is
     computed or read per element. The identity where :func:`_guard` is.
     """
-    if bound is None or not sizes or sizes[0] >= _BOUND_BIT:
+    if bound is None or not sizes or sizes[-1] >= _BOUND_BIT:
         return lambda value: value
     xb = xla_builder()
     b = bound.builder()

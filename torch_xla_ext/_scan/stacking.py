@@ -143,7 +143,7 @@ def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dt
 def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dtype: torch.dtype, guarded: bool):
     """``(indices..., stacked) -> (stacked[indices[0]], ..., stacked[indices[n-1]])``, each in ``shape``.
 
-    ``guarded``: with the row guard (see ``backend``), its bound from ``indices[0]``.
+    ``guarded``: with the index guard (see ``backend``), its bound from ``indices[0]``.
     """
     xb = xla_builder()
     b = xb.create_builder("txe_unstack")
