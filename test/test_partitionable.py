@@ -51,6 +51,58 @@ def test_layer_norm_matches_eager_values_and_gradients(dtype, normalized, affine
         torch.testing.assert_close(mine, theirs, **tolerance(dtype, n + x.numel() // n, scale=scale))
 
 
+@pytest.mark.parametrize("grads", ["all", "input"])
+@pytest.mark.parametrize("normalized", [(8,), (4, 8)], ids=["last", "last2"])
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_lazy_layer_norm_is_one_computation_each_way_and_matches_eager(device, dtype, normalized, affine, grads):
+    x, w, b = _args(dtype, normalized, affine if affine != "bias" else "both")
+    if affine == "bias":
+        w = None
+    wanted = [t for t in ((x, w, b) if grads == "all" else (x,)) if t is not None]
+    for t in wanted:
+        t.requires_grad_()
+    ref = F.layer_norm(x, normalized, w, b, eps=1e-5)
+    g = torch.randn(ref.shape).to(dtype)
+    ref_grads = torch.autograd.grad(ref, wanted, g)
+
+    on_device = [None if t is None else t.detach().to(device).requires_grad_(t.requires_grad) for t in (x, w, b)]
+    leaves = [t for t in on_device if t is not None and t.requires_grad]
+    ours = layer_norm(on_device[0], normalized, on_device[1], on_device[2], eps=1e-5)
+    ours_grads = torch.autograd.grad(ours, leaves, g.to(device))
+    forward_hlo, backward_hlo = lazy_hlo(ours), lazy_hlo(*ours_grads)
+    assert "txe_layer_norm" in forward_hlo and "batch-norm" not in forward_hlo
+    assert "txe_layer_norm_backward" in backward_hlo and "batch-norm" not in backward_hlo
+    n = 1
+    for d in normalized:
+        n *= d
+    if dtype == torch.bfloat16:  # computed in float32 and rounded once, as eager does
+        torch.testing.assert_close(ours.cpu(), ref, rtol=torch.finfo(dtype).eps, atol=0)
+    else:
+        torch.testing.assert_close(ours.cpu(), ref, **tolerance(dtype, n))
+    for mine, theirs in zip(ours_grads, ref_grads):
+        scale = float(theirs.float().square().mean().sqrt())
+        torch.testing.assert_close(mine.cpu(), theirs, **tolerance(dtype, n + x.numel() // n, scale=scale))
+
+
+def test_lazy_layer_norm_second_derivatives_match_eager(device):
+    # create_graph: the backward is recorded op by op (the prebuilt one has no derivative).
+    x, w, b = _args(torch.float64, (4, 8), "both")
+    g = torch.randn(X_SHAPE, dtype=torch.float64)
+    results = []
+    for fn, dev in ((layer_norm, device), (F.layer_norm, torch.device("cpu"))):
+        leaves = [t.detach().to(dev).requires_grad_() for t in (x, w, b)]
+        first = torch.autograd.grad((fn(leaves[0], (4, 8), leaves[1], leaves[2]) * g.to(dev)).sum(), leaves,
+                                    create_graph=True)
+        second = torch.autograd.grad(sum((f * f).sum() for f in first), leaves, allow_unused=True)
+        results.append([None if t is None else t.detach().cpu() for t in first + second])
+    for mine, theirs in zip(*results):
+        assert (mine is None) == (theirs is None)
+        if theirs is not None:
+            torch.testing.assert_close(mine, theirs,
+                                       **tolerance(torch.float64, 64 + 60, scale=float(theirs.abs().max())))
+
+
 @pytest.mark.parametrize("affine", ["both", "none"])
 def test_second_derivatives_match_eager(affine):
     # The closed-form backward recomputes its statistics under create_graph.
@@ -121,8 +173,10 @@ def test_scan_lowers_no_batch_norm_forward_or_backward(device):
 
 
 _PARTITIONED = textwrap.dedent("""
+    import sys
     import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
     import torch_xla_ext as txe
+    from torch_xla_ext._partitionable import partitionable_ops
     xr.use_spmd()
     torch.manual_seed(0)
     mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
@@ -132,24 +186,34 @@ _PARTITIONED = textwrap.dedent("""
         xs.mark_sharding(layer[1].weight, mesh, ("fsdp", None))
     x = torch.randn(8, 16, 32).to(torch_xla.device())
     xs.mark_sharding(x, mesh, ("fsdp", None, None))
-    out = txe.scan_layers(layers, x)
+    if sys.argv[1] == "scan":
+        out = txe.scan_layers(layers, x)
+    else:  # lazy tensors, op by op: each LayerNorm is one prebuilt computation each way
+        out = x
+        with partitionable_ops():
+            for layer in layers:
+                out = layer(out)
     out.square().mean().backward()
     torch_xla.sync()
 """)
 
 
-def test_partitioned_scan_gathers_weights_but_never_the_batch_sharded_activation(tmp_path):
+@pytest.mark.parametrize("how", ["scan", "lazy"])
+def test_partitioned_layer_norms_gather_weights_but_never_the_batch_sharded_activation(tmp_path, how):
     # The batch-norm lowering made GSPMD all-gather the whole [8, 16, 32] activation
     # (as f32[1,128,32]) before each LayerNorm and its gradient; only [32, 32]
     # weights may be gathered now. XLA reads its dump flags at start-up: a child process.
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3",
                XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE")
-    subprocess.run([sys.executable, "-c", _PARTITIONED], env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-c", _PARTITIONED, how], env=env, check=True, capture_output=True,
+                   timeout=300)
     programs = sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     assert programs, "XLA dumped no optimized program"
-    gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", programs[-1].read_text())
+    text = programs[-1].read_text()
+    gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", text)
     assert gathered, "the step gathers no weight: the dump is not the training step"
     assert set(gathered) <= {"f32[32,32]"}, gathered
+    assert "batch-norm" not in text
 
 
 def test_entering_again_pushes_no_second_mode():
