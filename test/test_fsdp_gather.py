@@ -1,7 +1,9 @@
-"""How fully_shard gathers: one gather per parameter, and the regather's check for parameters written in place."""
+"""How fully_shard gathers: one gather per parameter, a regather of each saved weight (views included), and the
+regather's check for parameters written in place."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -48,6 +50,29 @@ def test_backward_after_an_in_place_write_to_a_parameter(device, mesh, reshard):
     else:
         loss.backward()
         assert norm.grad is not None
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_reshard_after_forward_gathers_each_saved_weight_again(device, mesh, reshard):
+    # linear saves weight.t(), a view of the gathered weight: resharding must gather
+    # it again in the backward (behind a barrier) instead of keeping the forward's
+    # gathered value alive until then; kept gathered, the backward reuses it.
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh, reshard_after_forward=reshard)
+    (_, _), (tx, gx) = batch(device, mesh)
+    loss = loss_fn(model, tx, gx)
+    loss.backward()
+    ctx = txe.LoweringContext("step")
+    ctx.build([loss] + [p.grad for p in model.parameters()])
+    gathers = collections.Counter(
+        tuple(inst.shape.dimensions) for comp in ctx.module.computations for inst in comp.instructions
+        if inst.opcode == "custom-call" and inst.custom_call_target == "Sharding"
+        and inst.sharding is not None and inst.sharding.is_replicated)
+    torch_xla.sync()
+    expected = collections.Counter(tuple(p.shape) for p in model.parameters())  # the forward's gathers
+    if reshard:  # the weights the backward's formulas read: LayerNorm's, Linear's (as weight.t()), the tied head's
+        saved = [w for layer in model.layers for w in (layer.norm.weight, layer.up.weight, layer.down.weight)]
+        expected.update(tuple(w.shape) for w in saved + [model.embed.weight])
+    assert gathers == expected
 
 
 def test_layer_norms_lower_to_ops_gspmd_partitions(device, mesh):

@@ -252,17 +252,42 @@ def _check_unchanged(source: torch.Tensor, version: int) -> None:
 
 
 class Regather:
-    """What a saved gathered parameter is packed into when resharding after forward."""
+    """What a saved gathered parameter, or a view of one, is packed into when resharding after forward.
 
-    __slots__ = ("source", "version", "dtype", "mesh", "dims")
+    A view is saved by the formulas of most ops that read a weight (``linear``
+    saves ``weight.t()``): it is kept as its size, stride and offset into the
+    gathered parameter and replayed on the regathered one, so it does not keep
+    the forward's gathered value alive either. XLA tensors report the strides
+    of a contiguous tensor of their own shape, whatever view they are; the
+    view's real strides come from replaying it on a ``meta`` tensor.
+    """
 
-    def __init__(self, source: torch.Tensor, dtype: torch.dtype, mesh, dims: int) -> None:
-        self.source, self.dtype, self.mesh, self.dims = source, dtype, mesh, dims
+    __slots__ = ("source", "version", "dtype", "mesh", "dims", "view")
+
+    def __init__(self, source: torch.Tensor, dtype: torch.dtype, mesh, dims: int,
+                 view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None) -> None:
+        self.source, self.dtype, self.mesh, self.dims, self.view = source, dtype, mesh, dims, view
         self.version = source._version
+
+    def viewed(self, view: torch.Tensor, base: torch.Tensor) -> Regather | None:
+        """The same regather, then ``view`` (a view of the gathered ``base``) replayed on the result.
+
+        None where PyTorch cannot replay the view on a ``meta`` tensor; the
+        caller then saves the view itself, as without resharding.
+        """
+        layout = view._view_func_unsafe(torch.empty(base.shape, dtype=base.dtype, device="meta"))
+        if layout is None:
+            return None
+        packed = Regather.__new__(Regather)
+        packed.source, packed.version, packed.dtype, packed.mesh, packed.dims = (
+            self.source, self.version, self.dtype, self.mesh, self.dims)
+        packed.view = (tuple(layout.size()), tuple(layout.stride()), layout.storage_offset())
+        return packed
 
     def unpack(self) -> torch.Tensor:
         """Gather the saved sharded parameter again, behind an optimization barrier."""
         _check_unchanged(self.source, self.version)
         with torch.no_grad():
             fresh = behind_barrier(self.source.detach())
-            return annotate_sharding(fresh.to(self.dtype), self.mesh, (None,) * self.dims)
+            full = annotate_sharding(fresh.to(self.dtype), self.mesh, (None,) * self.dims)
+            return full if self.view is None else full.as_strided(*self.view)

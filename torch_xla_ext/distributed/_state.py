@@ -210,7 +210,12 @@ class FSDPState:
 
                 def pack(t: torch.Tensor) -> Any:
                     hit = packed.get(id(t))
-                    return hit[1] if hit is not None and hit[0] is t else t
+                    if hit is not None and hit[0] is t:
+                        return hit[1]
+                    base = t._base  # linear saves weight.t()
+                    hit = packed.get(id(base)) if base is not None else None
+                    regather = hit[1].viewed(t, base) if hit is not None and hit[0] is base else None
+                    return t if regather is None else regather
 
                 def unpack(obj: Any) -> torch.Tensor:
                     return obj.unpack() if isinstance(obj, Regather) else obj
