@@ -278,10 +278,9 @@ class Regather:
         layout = view._view_func_unsafe(torch.empty(base.shape, dtype=base.dtype, device="meta"))
         if layout is None:
             return None
-        packed = Regather.__new__(Regather)
-        packed.source, packed.version, packed.dtype, packed.mesh, packed.dims = (
-            self.source, self.version, self.dtype, self.mesh, self.dims)
-        packed.view = (tuple(layout.size()), tuple(layout.stride()), layout.storage_offset())
+        packed = Regather(self.source, self.dtype, self.mesh, self.dims,
+                          view=(tuple(layout.size()), tuple(layout.stride()), layout.storage_offset()))
+        packed.version = self.version
         return packed
 
     def unpack(self) -> torch.Tensor:
