@@ -6,8 +6,9 @@ cost fully_shard added to a step's trace (measured at 16 decoder layers: 33
 LayerNorm backwards took 3.7 ms of a 20 ms backward). Here each direction is
 one ``_xla_user_computation`` node (~2 us), built once per shape and dtype.
 The computation holds the same math with XLA's own ops (reductions, elementwise
-ops, broadcasts); XLA inlines it, so the SPMD partitioner shards it like the
-op-by-op version and the compiled program is the same.
+ops, broadcasts); XLA inlines the call, and the SPMD partitioner shards it
+like the op-by-op version (a test checks that a batch-sharded activation is
+never gathered).
 
 Only real lazy XLA tensors take this path. A tracer (scan's AOTAutograd trace
 on fake tensors, ``torch.compile``) records the op-by-op version, which it can
