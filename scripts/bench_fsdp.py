@@ -3,7 +3,7 @@
 
 One process, 8 virtual CPU devices, SPMD. For each number of layers L the
 same model is trained from the same initial weights (deep copies of one CPU
-model) on the same batches (sharded over 'fsdp') three ways. The model is
+model) on the same batches (sharded over 'fsdp') four ways. The model is
 ``--model decoder`` (token embedding tied to the LM head, L pre-norm attention
 + MLP blocks, final LayerNorm; ``torch_xla_ext.testing.models``) or ``--model
 llama`` (``transformers.LlamaForCausalLM`` of the same width: GQA, RMSNorm,
@@ -14,6 +14,10 @@ device, ``torch_xla_ext.hf.causal_mask``):
              root; the blocks run through torch_xla_ext.scan_layers (Llama:
              torch_xla_ext.hf.scan_decoder_layers)
   ours+loop  the same, the blocks run in a Python for-loop
+  ours+keep  ours+loop with ``reshard_after_forward=False``: each block's
+             weights are gathered once per step and kept for the backward, as
+             FSDPv2 (GSPMD) does; the default (``True``) gathers the weights
+             autograd saved again in the backward
   fsdpv2     torch_xla.experimental.spmd_fully_sharded_data_parallel
              .SpmdFullyShardedDataParallel around every block and the root,
              global mesh set with xs.set_global_mesh (the baseline of every
@@ -26,9 +30,9 @@ and waits for the devices. Per method and L it reports
             (n) = how many compilations that was
   first     wall time of the first step (trace + compile + run)
   step      steady step time: median of the steps after the first two. The
-            steady steps of the three methods are interleaved (step i of
+            steady steps of the methods are interleaved (step i of
             every method before step i+1 of any), so drift of a shared
-            machine hits all three alike
+            machine hits all of them alike
   trace     host time of a steady step until ``torch_xla.sync()`` (Python,
             autograd, lazy tracing); exec: its ``ExecuteReplicatedTime``;
             both also as ratios to FSDPv2's
@@ -105,7 +109,7 @@ from torch_xla_ext.testing import measure_transfers  # noqa: E402
 from torch_xla_ext.testing.models import CausalBlock, Decoder  # noqa: E402
 
 NUM_DEVICES = 8
-METHODS = ("ours+scan", "ours+loop", "fsdpv2")
+METHODS = ("ours+scan", "ours+loop", "ours+keep", "fsdpv2")
 # The collectives --hlo counts, with the short names the table prints.
 SHORT = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to-all": "A2A",
          "collective-permute": "CP"}
@@ -156,17 +160,17 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 # --------------------------------------------------------------------------- #
-# The three ways to shard it.
+# The ways to shard it.
 # --------------------------------------------------------------------------- #
 
 
-def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str) -> nn.Module:
+def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str, reshard_after_forward: bool = True) -> nn.Module:
     from torch_xla_ext.hf import scan_decoder_layers
 
     model = copy.deepcopy(cpu_model)
     for layer in blocks_of(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if isinstance(model, Decoder):
         model.use_scan = mode == "scan"
         assert model.head.weight is model.embed.weight, "fully_shard untied the embedding and the LM head"
@@ -431,6 +435,7 @@ def bench_layers(cfg: Config, model: str, layers: int, steps: int, mesh: xs.Mesh
     builders: dict[str, Callable[[], nn.Module]] = {
         "ours+scan": lambda: make_ours(cpu_model, mesh, "scan"),
         "ours+loop": lambda: make_ours(cpu_model, mesh, "loop"),
+        "ours+keep": lambda: make_ours(cpu_model, mesh, "loop", reshard_after_forward=False),
         "fsdpv2": lambda: make_fsdpv2(cpu_model, mesh),
     }
     runs = []
@@ -557,7 +562,7 @@ def report(all_runs: dict[int, list[Run]]) -> tuple[str, bool]:
                                    f"({ours:.1f} ms vs {theirs:.1f} ms = {ratio:.2f}x)", ratio <= STEP_TARGET))
             checks.append((f"L={layers} {r.method}: a training step moves 0 bytes device->host "
                            f"(measured {r.d2h_bytes} B)", r.d2h_bytes == 0))
-        # Loss agreement across the three.
+        # Loss agreement across the methods.
         traj = {r.method: np.array(r.losses) for r in runs if r.losses}
         if len(traj) > 1:
             ref = traj[BASELINE] if BASELINE in traj else next(iter(traj.values()))
