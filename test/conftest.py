@@ -6,6 +6,12 @@ before any test: torch 2.9 sizes autograd's per-device queues at the first
 backward in the process, and after a CPU-only first backward every XLA
 backward fails an internal assert (``device_ready_queues_``).
 
+torchax is made unimportable for the session: torch_xla's ``xs.mark_sharding``
+imports it wherever it is installed (the ``bench`` extra brings it), and the
+import renames PyTorch's ``privateuse1`` backend for the whole process, which
+breaks ``torch.distributed.checkpoint``'s default writer. No test uses it, and
+the suite runs the same whether or not it is installed.
+
 Every test starts from the same random state (torch, numpy and ``random`` are
 seeded before each one), and hypothesis runs derandomized with no example
 database: a test that passes once passes every time.
@@ -19,6 +25,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
 
 import random  # noqa: E402
+import sys  # noqa: E402
+
+sys.modules["torchax"] = None  # an import of it raises ImportError; torch_xla then goes without it
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -188,3 +188,26 @@ def test_load_state_dict_with_swapping_parameters_is_refused(mesh):
     assert model.weight is weight and spec(weight) == FSDP8
     model.load_state_dict(saved)
     torch.testing.assert_close(model.weight.cpu(), saved["weight"], **EXACT)
+
+
+def test_fully_shard_and_load_never_import_torchax(mesh, monkeypatch):
+    """torch_xla's ``xs.mark_sharding`` imports torchax where it is installed, which renames PyTorch's
+    ``privateuse1`` backend for the whole process (DCP's default writer then fails). Placing, training and
+    loading a fully sharded model annotate without that detour, whether or not torchax is installed."""
+    from torch_xla.distributed.spmd import xla_sharding
+
+    calls = []
+    original = xla_sharding.maybe_get_torchax
+    monkeypatch.setattr(xla_sharding, "maybe_get_torchax", lambda: calls.append(1) or original())
+    trained, saved = trained_state(mesh)  # fully_shard uploads and shards host parameters
+    loss = trained(torch.zeros(8, 6, dtype=torch.long, device=torch_xla.device())).sum()
+    loss.backward()
+    torch_xla.sync()
+    torch.manual_seed(3)
+    target = shard_decoder(tiny_decoder(use_scan=False), mesh)
+    target.load_state_dict(saved)  # host values uploaded and sharded like the parameters they replace
+    torch_xla.sync()
+    assert calls == []
+    assert spec(target.layers[0].up.weight) == FSDP8
+    for key, value in saved.items():
+        torch.testing.assert_close(target.state_dict()[key].cpu(), value, **EXACT, msg=key)

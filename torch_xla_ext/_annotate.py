@@ -22,7 +22,7 @@ import torch
 
 from ._xla import xlac
 
-__all__ = ["annotate_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP",
+__all__ = ["annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP",
            "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace", "traced"]
 
 _REPLICATED = ("", "{replicated}")
@@ -79,6 +79,19 @@ def _op_sharding(mesh: str, spec: str):
     import torch_xla.distributed.spmd as xs
 
     return xs.Mesh.from_str(mesh).get_op_sharding(ast.literal_eval(spec))
+
+
+def mark_sharding(t: torch.Tensor, mesh, spec: tuple) -> None:
+    """Annotate the XLA tensor ``t`` itself with partition ``spec`` over ``mesh`` (a ``Mesh`` or its text).
+
+    What ``xs.mark_sharding`` records, without its detour through torchax:
+    torch_xla's version imports torchax on every call where it is installed,
+    and importing torchax renames PyTorch's ``privateuse1`` backend to
+    ``jax`` for the whole process (``torch.distributed.checkpoint``'s
+    default writer then fails on ``torchax.device_module.current_stream``).
+    The library annotates through this function only.
+    """
+    xlac()._xla_mark_sharding(t, _op_sharding(_mesh_text(mesh), str(tuple(spec))))
 
 
 def _annotated(t: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:

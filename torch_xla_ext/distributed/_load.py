@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import _traversal
+from .._annotate import mark_sharding
 from .._xla import torch_xla_device, xlac
 from ._param import applied_spec, move_to
 from ._state import FSDPState, holder_record
@@ -137,7 +138,6 @@ def _stage_host_values(registrations: list[Registration], state_dict: dict, pref
     a tied parameter that hold the same values are uploaded once.
     """
     import torch_xla
-    import torch_xla.distributed.spmd as xs
 
     staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # id(parameter) -> [(host value, upload)]
     for holder, name, key in registrations:
@@ -153,7 +153,7 @@ def _stage_host_values(registrations: list[Registration], state_dict: dict, pref
         if upload is None:
             upload = value.detach().to(torch_xla.device())
             if any(s is not None for s in slot.spec):
-                xs.mark_sharding(upload, state.mesh, slot.spec)
+                mark_sharding(upload, state.mesh, slot.spec)
             uploads.append((value, upload))
         state_dict[key] = upload
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replicated_spec
+from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replicated_spec, mark_sharding
 from .._xla import torch_xla_device, xla_builder, xlac
 
 __all__ = [
@@ -111,7 +111,7 @@ def spec_string(mesh: Any, spec: tuple, param: torch.Tensor) -> str:
     if all(s is None for s in spec):
         return ""
     standin = fresh_node(xla_builder().create_placeholder_tensor(tuple(param.shape), param.dtype))
-    xlac()._xla_mark_sharding(standin, mesh.get_op_sharding(spec))
+    mark_sharding(standin, mesh, spec)
     return xlac()._get_xla_sharding_spec(standin)
 
 
@@ -172,12 +172,10 @@ def grad_sharder(mesh: Any, spec: tuple, param: torch.Tensor) -> Callable[[torch
 
 def shard_new(p: nn.Parameter, mesh: Any, spec: tuple, device: torch.device) -> None:
     """First placement of a parameter fully_shard checked: upload if on the host, shard, hook its gradient."""
-    import torch_xla.distributed.spmd as xs
-
     if p.device.type != "xla":
         move_to(p, device)
     if any(s is not None for s in spec):
-        xs.mark_sharding(p, mesh, spec)
+        mark_sharding(p, mesh, spec)
     record_applied(p, spec)
     p.register_hook(grad_sharder(mesh, spec, p))
 
@@ -190,12 +188,10 @@ def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
     device only); an XLA tensor whose sharding differs is resharded on the
     device. Nothing moves from the device to the host.
     """
-    import torch_xla.distributed.spmd as xs
-
     if p.device.type != "xla":
         move_to(p, torch_xla_device())
         if any(s is not None for s in spec):
-            xs.mark_sharding(p, mesh, spec)
+            mark_sharding(p, mesh, spec)
     elif current_spec(p) != target_text:
         # mark_sharding would read device data back to the host; an
         # annotated copy is resharded by the compiler on the device.
