@@ -538,7 +538,7 @@ def plot(results, layer_counts: list[int], methods: list[str], path: str, title:
               "jax": "d--"}
     colors = {"unrolled": "C0", "ours": "C1", "ours_nothing": "C4", "ours_dots": "C5", "torch_xla": "C2",
               "jax": "C3"}
-    for ax, (attr, title) in zip(axes, panels):
+    for ax, (attr, panel_title) in zip(axes, panels):
         for m in methods:
             if attr == "trace_ms" and m == "jax":
                 continue
@@ -546,7 +546,7 @@ def plot(results, layer_counts: list[int], methods: list[str], path: str, title:
                    if (m, n) in results and getattr(results[(m, n)], attr) == getattr(results[(m, n)], attr)]
             if pts:
                 ax.plot(*zip(*pts), styles[m], color=colors[m], label=m)
-        ax.set_title(title)
+        ax.set_title(panel_title)
     ax = axes[-1]
     for m in methods:
         if m == "unrolled":
