@@ -67,12 +67,14 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import logging
 import math
 import os
 import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +83,11 @@ os.environ["PJRT_DEVICE"] = "CPU"
 os.environ["CPU_NUM_DEVICES"] = "8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Third-party noise the tables do not need: importing torchax (torch_xla's mark_sharding does where
+# flax is installed) logs through absl that TensorFlow is missing, and FSDPv2's backward optimization
+# barrier, a full backward hook, warns on every model whose inputs need no gradient.
+logging.getLogger("absl").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 import xla_memory  # noqa: E402
 
 # XLA reads its dump flags when it starts: decide before importing torch_xla.

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import statistics
 import sys
@@ -67,6 +68,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Importing torchax (torch_xla's scan_layers column needs it) logs through absl that TensorFlow is
+# missing: noise the tables do not need.
+logging.getLogger("absl").setLevel(logging.ERROR)
 import xla_memory  # noqa: E402
 
 # XLA reads its dump flags when it starts: decide before importing torch_xla or JAX.
