@@ -85,9 +85,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Third-party noise the tables do not need: importing torchax (torch_xla's mark_sharding does where
 # flax is installed) logs through absl that TensorFlow is missing, and FSDPv2's backward optimization
-# barrier, a full backward hook, warns on every model whose inputs need no gradient.
+# barrier, a full backward hook, warns on every model whose inputs need no gradient and on a root whose
+# output is a Hugging Face ModelOutput.
 logging.getLogger("absl").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
+warnings.filterwarnings("ignore", message="For backward hooks to be called")
 import xla_memory  # noqa: E402
 
 # XLA reads its dump flags when it starts: decide before importing torch_xla.
