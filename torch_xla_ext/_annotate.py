@@ -22,8 +22,8 @@ import torch
 
 from ._xla import xlac
 
-__all__ = ["annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node", "ANNOTATE_OP",
-           "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace", "traced"]
+__all__ = ["annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node",
+           "ANNOTATE_OP", "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace", "traced"]
 
 _REPLICATED = ("", "{replicated}")
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -89,7 +89,7 @@ def mark_sharding(t: torch.Tensor, mesh, spec: tuple) -> None:
     and importing torchax renames PyTorch's ``privateuse1`` backend to
     ``jax`` for the whole process (``torch.distributed.checkpoint``'s
     default writer then fails on ``torchax.device_module.current_stream``).
-    The library annotates through this function only.
+    The library never calls ``xs.mark_sharding``; it places tensors with this.
     """
     xlac()._xla_mark_sharding(t, _op_sharding(_mesh_text(mesh), str(tuple(spec))))
 
