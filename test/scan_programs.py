@@ -20,6 +20,15 @@ Values and gradients (of init, xs, the outside tensors, the layers'
 parameters) are compared with :func:`~torch_xla_ext.testing.tolerances.tolerance`
 for the program's dtype and the length of its longest accumulation chain;
 scan_layers programs also compare the buffers each layer updates in place.
+
+That tolerance assumes every op is rounded about as well as the CPU's, which
+XLA:CPU's transcendental functions are not everywhere: near saturation its
+``tanh`` gives ``1 - tanh(x)**2`` with a relative error of tens of percent
+(seed 90056: a gradient of 2.0e-5 on XLA against 3.4e-5 on the CPU, for scan
+and for the Python loop on the device alike). Where a result misses the CPU
+reference, it must then match the same Python loop run on the XLA device (the
+same XLA kernels, op for op) within the same tolerance: a scan that computes
+something else still fails, and XLA's own op numerics do not.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pt
@@ -278,10 +288,25 @@ def _tol(p: Program, reference: torch.Tensor) -> dict:
     return tolerance(p.dtype, chain, scale=scale)
 
 
-def _compare(what: str, got: list, want: list, p: Program) -> None:
+def _compare(what: str, got: list, want: list, p: Program, on_device: Callable[[], list] | None = None) -> None:
+    """``got`` against the CPU reference ``want``; where that misses, against ``on_device()`` (see the module doc).
+
+    ``on_device`` runs the same reference on the XLA device and returns its
+    results in the same order; it runs only when the CPU comparison fails.
+    """
     assert len(got) == len(want), f"{what}: {len(got)} tensors, expected {len(want)}"
-    for k, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, **_tol(p, w), msg=lambda m, k=k: f"{what}[{k}]: {m}")
+    try:
+        for k, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, **_tol(p, w), msg=lambda m, k=k: f"{what}[{k}]: {m}")
+    except AssertionError as cpu_miss:
+        if on_device is None:
+            raise
+        device_ref = on_device()
+        for k, (g, w) in enumerate(zip(got, device_ref)):
+            torch.testing.assert_close(
+                g, w, **_tol(p, w),
+                msg=lambda m, k=k: f"{what}[{k}] against the Python loop on the device: {m} (and against the "
+                                   f"CPU: {cpu_miss})")
 
 
 def check(p: Program, device) -> dict:
@@ -310,21 +335,30 @@ def check(p: Program, device) -> dict:
         ref = _run_scan(p, step_ref, _to(init_c, "cpu", p.grad), _to(xs_c, "cpu", p.grad), ctx_ref, False,
                         weights)
         assert got[2] == ref[2], f"output structure {got[2]} != {ref[2]}"
-        return got, ref
+        loop_ctx = _ctx_to(ctx_cpu_vals, device)  # its own tensors: the gradients are its own
+        loop: list = []  # run at most once: a second backward would add to loop_ctx's gradients
+
+        def on_device():
+            if not loop:
+                loop.append(_run_scan(p, make_step(p, loop_ctx), _to(init_c, device, p.grad),
+                                      _to(xs_c, device, p.grad), loop_ctx, False, weights))
+            return loop[0]
+
+        return got, ref, on_device
 
     before = scan_cache_info()
-    cold, ref = scan_round(ctx_cpu, init, xs)
-    _compare("cold values", cold[0], ref[0], p)
-    _compare("cold grads", cold[1], ref[1], p)
+    cold, ref, on_device = scan_round(ctx_cpu, init, xs)
+    _compare("cold values", cold[0], ref[0], p, lambda: on_device()[0])
+    _compare("cold grads", cold[1], ref[1], p, lambda: on_device()[1])
     mid = scan_cache_info()
-    cached, _ = scan_round(ctx_cpu, init, xs)
+    cached, _, _ = scan_round(ctx_cpu, init, xs)
     after = scan_cache_info()
     assert after.hits == mid.hits + 1 and after.traces == mid.traces, "an unchanged call was not served from the cache"
     for what, a, b in (("values", cached[0], cold[0]), ("grads", cached[1], cold[1])):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"cached call's {what} differ from the cold call's"
-    changed, ref = scan_round(new_ctx_cpu, new_init, new_xs)
-    _compare("changed-context values", changed[0], ref[0], p)
-    _compare("changed-context grads", changed[1], ref[1], p)
+    changed, ref, on_device = scan_round(new_ctx_cpu, new_init, new_xs)
+    _compare("changed-context values", changed[0], ref[0], p, lambda: on_device()[0])
+    _compare("changed-context grads", changed[1], ref[1], p, lambda: on_device()[1])
     end = scan_cache_info()
     stats["scan_traces"], stats["scan_hits"] = end.traces - before.traces, end.hits - before.hits
 
@@ -334,23 +368,33 @@ def check(p: Program, device) -> dict:
 
 
 def _check_layers(p: Program, gen: torch.Generator, ctx_cpu: dict, new_ctx_cpu: dict, device, weights) -> None:
-    ctx_dev, ctx_ref = _ctx_to(ctx_cpu, device), _ctx_to(ctx_cpu, "cpu")
+    ctx_dev, ctx_ref, ctx_loop = _ctx_to(ctx_cpu, device), _ctx_to(ctx_cpu, "cpu"), {}
     cpu_layers = torch.nn.ModuleList([_Layer(p, ctx_ref, gen) for _ in range(p.length)]).to(p.dtype)
     dev_layers = torch.nn.ModuleList([_Layer(p, ctx_dev, gen) for _ in range(p.length)])
     dev_layers.load_state_dict(cpu_layers.state_dict())
     dev_layers = dev_layers.to(p.dtype).to(device)
-    if p.buffers:  # buffers compared against the loop on the device: the CPU one would differ by rounding only
-        loop_layers = torch.nn.ModuleList([_Layer(p, ctx_dev, gen) for _ in range(p.length)])
-        loop_layers.load_state_dict(cpu_layers.state_dict())
-        loop_layers = loop_layers.to(p.dtype).to(device)
+    # The Python loop on the device: the reference for the buffers (the CPU's would differ by rounding only),
+    # and for values and gradients where scan_layers misses the CPU reference (see the module doc). Its own
+    # context tensors, so that its gradients are its own; its initial values are overwritten by the CPU
+    # layers' (a generator of its own leaves the program's draws as they were).
+    spare = torch.Generator().manual_seed(0)
+    loop_layers = torch.nn.ModuleList([_Layer(p, ctx_loop, spare) for _ in range(p.length)])
+    loop_layers.load_state_dict(cpu_layers.state_dict())
+    loop_layers = loop_layers.to(p.dtype).to(device)
     for round_ctx in (ctx_cpu, ctx_cpu, new_ctx_cpu):
-        for ctx, vals in ((ctx_dev, _ctx_to(round_ctx, device)), (ctx_ref, _ctx_to(round_ctx, "cpu"))):
-            ctx.update(vals)
+        for ctx, device_of in ((ctx_dev, device), (ctx_ref, "cpu"), (ctx_loop, device)):
+            ctx.update(_ctx_to(round_ctx, device_of))
         h_cpu = torch.randn(p.batch, p.dim, generator=gen).to(p.dtype)
         got = _run_layers(p, dev_layers, h_cpu.to(device).requires_grad_(p.grad), True, weights)
         ref = _run_layers(p, cpu_layers, h_cpu.clone().requires_grad_(p.grad), False, weights)
-        _compare("scan_layers values", got[0], ref[0], p)
-        _compare("scan_layers grads", got[1], ref[1], p)
+        loop: list = []  # the device loop runs at most once a round: it updates its layers' buffers
+
+        def on_device(h_cpu=h_cpu, loop=loop):
+            if not loop:
+                loop.append(_run_layers(p, loop_layers, h_cpu.to(device).requires_grad_(p.grad), False, weights))
+            return loop[0]
+
+        _compare("scan_layers values", got[0], ref[0], p, lambda: on_device()[0])
+        _compare("scan_layers grads", got[1], ref[1], p, lambda: on_device()[1])
         if p.buffers:
-            loop = _run_layers(p, loop_layers, h_cpu.to(device).requires_grad_(p.grad), False, weights)
-            _compare("scan_layers buffers", got[2], loop[2], p)
+            _compare("scan_layers buffers", got[2], on_device()[2], p)
