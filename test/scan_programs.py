@@ -34,6 +34,7 @@ something else still fails, and XLA's own op numerics do not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -336,14 +337,9 @@ def check(p: Program, device) -> dict:
                         weights)
         assert got[2] == ref[2], f"output structure {got[2]} != {ref[2]}"
         loop_ctx = _ctx_to(ctx_cpu_vals, device)  # its own tensors: the gradients are its own
-        loop: list = []  # run at most once: a second backward would add to loop_ctx's gradients
-
-        def on_device():
-            if not loop:
-                loop.append(_run_scan(p, make_step(p, loop_ctx), _to(init_c, device, p.grad),
-                                      _to(xs_c, device, p.grad), loop_ctx, False, weights))
-            return loop[0]
-
+        # Cached: it runs at most once, since a second backward would add to loop_ctx's gradients.
+        on_device = functools.cache(lambda: _run_scan(p, make_step(p, loop_ctx), _to(init_c, device, p.grad),
+                                                      _to(xs_c, device, p.grad), loop_ctx, False, weights))
         return got, ref, on_device
 
     before = scan_cache_info()
@@ -387,13 +383,9 @@ def _check_layers(p: Program, gen: torch.Generator, ctx_cpu: dict, new_ctx_cpu: 
         h_cpu = torch.randn(p.batch, p.dim, generator=gen).to(p.dtype)
         got = _run_layers(p, dev_layers, h_cpu.to(device).requires_grad_(p.grad), True, weights)
         ref = _run_layers(p, cpu_layers, h_cpu.clone().requires_grad_(p.grad), False, weights)
-        loop: list = []  # the device loop runs at most once a round: it updates its layers' buffers
-
-        def on_device(h_cpu=h_cpu, loop=loop):
-            if not loop:
-                loop.append(_run_layers(p, loop_layers, h_cpu.to(device).requires_grad_(p.grad), False, weights))
-            return loop[0]
-
+        # Cached: the device loop runs at most once a round, since it updates its layers' buffers.
+        on_device = functools.cache(lambda h_cpu=h_cpu: _run_layers(
+            p, loop_layers, h_cpu.to(device).requires_grad_(p.grad), False, weights))
         _compare("scan_layers values", got[0], ref[0], p, lambda: on_device()[0])
         _compare("scan_layers grads", got[1], ref[1], p, lambda: on_device()[1])
         if p.buffers:
