@@ -119,19 +119,27 @@ def build(cfg: Config, num_layers: int, seed: int = 0):
     return cpu_layers, x_cpu, host
 
 
+def llama_config(cfg: Config, num_layers: int):
+    """The Hugging Face ``LlamaConfig`` of the benchmarked layers: the blocks' width, GQA with heads // 2 KV heads."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.mlp * cfg.dim, num_attention_heads=cfg.heads,
+                       num_key_value_heads=max(1, cfg.heads // 2), num_hidden_layers=num_layers, vocab_size=128,
+                       max_position_embeddings=cfg.seq, attn_implementation="sdpa")
+
+
 def build_llama(cfg: Config, num_layers: int, seed: int = 0):
     """Hugging Face Llama decoder layers of the same width (GQA, RMSNorm, rotary embeddings, SwiGLU), a host input,
-    and the rotary embedding module whose (cos, sin) every layer receives as ``position_embeddings``."""
-    from transformers import LlamaConfig
+    numpy copies of the weights (for JAX), and the rotary embedding module whose (cos, sin) every layer receives
+    as ``position_embeddings``."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.mlp * cfg.dim, num_attention_heads=cfg.heads,
-                         num_key_value_heads=max(1, cfg.heads // 2), num_hidden_layers=num_layers, vocab_size=128,
-                         max_position_embeddings=cfg.seq, attn_implementation="sdpa")
+    config = llama_config(cfg, num_layers)
     torch.manual_seed(seed)
     cpu_layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(num_layers))
     x_cpu = torch.randn(cfg.batch, cfg.seq, cfg.dim)
-    return cpu_layers, x_cpu, LlamaRotaryEmbedding(config)
+    host = [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in cpu_layers]
+    return cpu_layers, x_cpu, host, LlamaRotaryEmbedding(config)
 
 
 def llama_forwards(rotary: nn.Module, partition_fns: dict[str, Callable | None]) -> dict[str, Callable]:
@@ -293,7 +301,9 @@ def make_fwd_torch_xla():
 # --------------------------------------------------------------------------- #
 
 
-def jax_setup(cfg: Config):
+def jax_setup(cfg: Config, model: str = "block"):
+    """JAX's forward, loss and placement for ``model``: the CausalBlock, or a Llama decoder layer written from
+    Hugging Face's ``LlamaDecoderLayer`` (RMSNorm, rotary embeddings, GQA, causal softmax attention, SwiGLU)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -324,6 +334,40 @@ def jax_setup(cfg: Config):
         x = x + linear(o, p, "proj")
         hid = jax.nn.gelu(linear(layer_norm(x, p["mlp_norm.weight"], p["mlp_norm.bias"]), p, "up"), approximate=False)
         return x + linear(hid, p, "down")
+
+    if model == "llama":
+        config = llama_config(cfg, 1)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        hd, eps = cfg.dim // heads, config.rms_norm_eps
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        # The (cos, sin) HF's rotary embedding gives positions 0..seq-1: [seq, head_dim] constants here.
+        cos_t, sin_t = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(cfg.seq)[None])
+        cos, sin = jnp.asarray(cos_t[0].numpy()), jnp.asarray(sin_t[0].numpy())
+
+        def rms_norm(x, w):
+            return w * (x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + eps))
+
+        def rotate(t):  # t: [b, heads, s, hd]; x * cos + rotate_half(x) * sin
+            half = hd // 2
+            return t * cos + jnp.concatenate([-t[..., half:], t[..., :half]], axis=-1) * sin
+
+        def block(p, x):
+            b, s, d = x.shape
+            h = rms_norm(x, p["input_layernorm.weight"])
+            q = (h @ p["self_attn.q_proj.weight"].T).reshape(b, s, heads, hd).transpose(0, 2, 1, 3)
+            k = (h @ p["self_attn.k_proj.weight"].T).reshape(b, s, kv_heads, hd).transpose(0, 2, 1, 3)
+            v = (h @ p["self_attn.v_proj.weight"].T).reshape(b, s, kv_heads, hd).transpose(0, 2, 1, 3)
+            q, k = rotate(q), rotate(k)
+            k, v = jnp.repeat(k, heads // kv_heads, axis=1), jnp.repeat(v, heads // kv_heads, axis=1)
+            att = (q @ k.swapaxes(-1, -2)) * (hd ** -0.5)
+            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+            att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+            o = (att @ v).transpose(0, 2, 1, 3).reshape(b, s, heads * hd)
+            x = x + o @ p["self_attn.o_proj.weight"].T
+            h = rms_norm(x, p["post_attention_layernorm.weight"])
+            gated = jax.nn.silu(h @ p["mlp.gate_proj.weight"].T) * (h @ p["mlp.up_proj.weight"].T)
+            return x + gated @ p["mlp.down_proj.weight"].T
 
     def forward(stacked, x):
         out, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, stacked)
@@ -389,7 +433,7 @@ class JaxRunner:
 
 
 def check_numerics(fwds: dict[str, Callable], layers, x, host, x_np, jx) -> list[tuple[str, bool, str]]:
-    """Outputs and gradients of every torch method vs the unrolled loop; JAX's output too.
+    """Outputs and gradients of every method (JAX's too) vs the unrolled loop.
 
     Copies results to the host (outside every timed region)."""
     def run(fwd):
@@ -420,11 +464,19 @@ def check_numerics(fwds: dict[str, Callable], layers, x, host, x_np, jx) -> list
                       f"output allclose={ok_out} (max |diff| {float((out - ref_out).abs().max()):.2e}), "
                       f"grads allclose={ok_grad} (max |diff| {gdiff:.2e})"))
     if jx is not None:
-        jax, forward, _loss, place = jx
+        jax, forward, loss, place = jx
         params, xj, _, _ = place(host, x_np)
         out = torch.from_numpy(np.array(jax.jit(forward)(params, xj)))
-        ok = torch.allclose(out, ref_out, rtol=1e-4, atol=1e-4)
-        lines.append(("jax", ok, f"output allclose={ok} (max |diff| {float((out - ref_out).abs().max()):.2e})"))
+        ok_out = torch.allclose(out, ref_out, rtol=1e-4, atol=1e-4)
+        # JAX's gradients of the same loss, stacked per weight: layer i's slice against the loop's "i.<key>".
+        stacked = jax.jit(jax.grad(loss))(params, xj)
+        grads = [torch.from_numpy(np.array(stacked[key][int(i)]))
+                 for i, key in (name.split(".", 1) for name, _ in layers.named_parameters())]
+        ok_grad = all(torch.allclose(g, r, rtol=1e-3, atol=1e-5) for g, r in zip(grads, ref_grads))
+        gdiff = max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads))
+        lines.append(("jax", ok_out and ok_grad,
+                      f"output allclose={ok_out} (max |diff| {float((out - ref_out).abs().max()):.2e}), "
+                      f"grads allclose={ok_grad} (max |diff| {gdiff:.2e})"))
     return lines
 
 
@@ -592,7 +644,7 @@ def main() -> int:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--model", choices=("block", "llama"), default="block",
                     help="block: torch_xla_ext.testing.models.CausalBlock (all methods); llama: Hugging Face "
-                         "LlamaDecoderLayer through scan_layers' keyword arguments (unrolled and ours* only)")
+                         "LlamaDecoderLayer through scan_layers' keyword arguments (every method but torch_xla)")
     ap.add_argument("--memory", action="store_true",
                     help="measure each compiled step's device memory from XLA's buffer assignment (slows compiles)")
     ap.add_argument("--check-layers", type=int, default=None,
@@ -607,12 +659,10 @@ def main() -> int:
         methods.insert(0, "unrolled")
 
     notes = []
-    if args.model == "llama":
-        dropped = [m for m in methods if m in ("torch_xla", "jax")]
-        methods = [m for m in methods if m not in dropped]
-        if dropped:
-            notes.append(f"NOTE: --model llama runs no {' or '.join(dropped)} column: torch_xla's scan_layers passes "
-                         f"the layers no keyword arguments (position_embeddings), and there is no JAX Llama here.")
+    if args.model == "llama" and "torch_xla" in methods:
+        methods.remove("torch_xla")
+        notes.append("NOTE: --model llama runs no torch_xla column: torch_xla's scan_layers passes the layers no "
+                     "keyword arguments (position_embeddings).")
     fwds: dict[str, Callable] = {"unrolled": fwd_unrolled}
     try:
         from torch_xla_ext import remat
@@ -635,7 +685,7 @@ def main() -> int:
     jx = None
     if "jax" in methods:
         try:
-            jx = jax_setup(cfg)
+            jx = jax_setup(cfg, args.model)
             notes.append(f"NOTE: JAX runs in this same process (XLA_FLAGS={os.environ['XLA_FLAGS']!r}, "
                          f"{NUM_DEVICES} CPU devices); torch_xla's client uses CPU_NUM_DEVICES and is unaffected.")
         except Exception as e:
@@ -671,8 +721,7 @@ def main() -> int:
 
     for n in layer_counts:
         if args.model == "llama":
-            cpu_layers, x_cpu, rotary = build_llama(cfg, n)
-            host = None
+            cpu_layers, x_cpu, host, rotary = build_llama(cfg, n)
             fwds.update(llama_forwards(rotary, {m: partition_fns[m] for m in methods if m in partition_fns}))
         else:
             cpu_layers, x_cpu, host = build(cfg, n)
