@@ -108,6 +108,11 @@ class Config:
     mlp: int = 4  # hidden = mlp * dim
 
 
+def host_weights(layers: nn.ModuleList) -> list[dict[str, np.ndarray]]:
+    """Numpy copies of each layer's state, keyed like its state_dict (what JAX stacks)."""
+    return [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in layers]
+
+
 def build(cfg: Config, num_layers: int, seed: int = 0):
     """Host blocks (torch_xla_ext.testing.models.CausalBlock), a host input, and numpy copies of the weights (for JAX)."""
     from torch_xla_ext.testing.models import CausalBlock  # imported late: main() reports a missing package
@@ -115,7 +120,7 @@ def build(cfg: Config, num_layers: int, seed: int = 0):
     torch.manual_seed(seed)
     cpu_layers = nn.ModuleList(CausalBlock(cfg.dim, cfg.heads, cfg.mlp) for _ in range(num_layers))
     x_cpu = torch.randn(cfg.batch, cfg.seq, cfg.dim)
-    host = [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in cpu_layers]
+    host = host_weights(cpu_layers)
     return cpu_layers, x_cpu, host
 
 
@@ -138,7 +143,7 @@ def build_llama(cfg: Config, num_layers: int, seed: int = 0):
     torch.manual_seed(seed)
     cpu_layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(num_layers))
     x_cpu = torch.randn(cfg.batch, cfg.seq, cfg.dim)
-    host = [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in cpu_layers]
+    host = host_weights(cpu_layers)
     return cpu_layers, x_cpu, host, LlamaRotaryEmbedding(config)
 
 

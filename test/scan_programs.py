@@ -296,18 +296,18 @@ def _compare(what: str, got: list, want: list, p: Program, on_device: Callable[[
     results in the same order; it runs only when the CPU comparison fails.
     """
     assert len(got) == len(want), f"{what}: {len(got)} tensors, expected {len(want)}"
+
+    def against(reference: list, label: Callable[[int, str], str]) -> None:
+        for k, (g, w) in enumerate(zip(got, reference)):
+            torch.testing.assert_close(g, w, **_tol(p, w), msg=lambda m, k=k: label(k, m))
+
     try:
-        for k, (g, w) in enumerate(zip(got, want)):
-            torch.testing.assert_close(g, w, **_tol(p, w), msg=lambda m, k=k: f"{what}[{k}]: {m}")
+        against(want, lambda k, m: f"{what}[{k}]: {m}")
     except AssertionError as cpu_miss:
         if on_device is None:
             raise
-        device_ref = on_device()
-        for k, (g, w) in enumerate(zip(got, device_ref)):
-            torch.testing.assert_close(
-                g, w, **_tol(p, w),
-                msg=lambda m, k=k: f"{what}[{k}] against the Python loop on the device: {m} (and against the "
-                                   f"CPU: {cpu_miss})")
+        against(on_device(), lambda k, m: f"{what}[{k}] against the Python loop on the device: {m} (and against "
+                                          f"the CPU: {cpu_miss})")
 
 
 def check(p: Program, device) -> dict:
