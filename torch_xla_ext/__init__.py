@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
-from .scan import ScanInputError, scan, scan_layers
+from .scan import ScanInputError, ScanUnsupportedError, scan, scan_layers
 from .transfer_guard import (
     HostTransferError,
     TransferStats,
@@ -30,6 +30,7 @@ __all__ = [
     "HostTransferError",
     "LoweringContext",
     "ScanInputError",
+    "ScanUnsupportedError",
     "Shape",
     "Sharding",
     "TransferStats",

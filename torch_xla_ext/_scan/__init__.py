@@ -3,9 +3,11 @@
 ``scan(fn, init, xs)`` has the semantics of ``jax.lax.scan``. The package is
 layered; each module holds one idea and imports only the ones above it:
 
+``guard``     what may not happen while a step is traced (host reads, nested
+              scans, host random draws), refused with ``ScanUnsupportedError``.
 ``lift``      a ``TorchFunctionMode`` that replaces the outside tensors a step
               reads with stand-ins (loop operands), fingerprints the trace and
-              refuses writes into outside tensors.
+              refuses writes into outside tensors and host reads.
 ``trace``     runs a step lazily on placeholders under the lifter: nothing
               executes and no device memory is allocated.
 ``sharding``  reads and re-applies the shardings of inputs and outputs.
@@ -18,7 +20,8 @@ layered; each module holds one idea and imports only the ones above it:
 ``stacking``  stacking homogeneous layers' members, handing gradients back.
 ``homogeneous`` whether layers can share one traced step (members, attributes).
 ``layers``    ``scan_layers`` on top of ``api``, ``homogeneous`` and ``stacking``.
-``errors``    ``ScanInputError``, raised for bad arguments before anything runs.
+``errors``    ``ScanInputError`` (bad arguments) and ``ScanUnsupportedError``
+              (what a traced loop cannot do as the Python loop does).
 ``dynamo``    scans refuse to run inside ``torch.compile`` (and why).
 
 Every call traces ``fn`` (host-side, cheap); a lowered loop is reused only for
@@ -29,7 +32,8 @@ from __future__ import annotations
 
 from .api import scan
 from .cache import ScanCacheInfo, clear_scan_cache, scan_cache_info
-from .errors import ScanInputError
+from .errors import ScanInputError, ScanUnsupportedError
 from .layers import scan_layers
 
-__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError"]
+__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError",
+           "ScanUnsupportedError"]

@@ -13,12 +13,13 @@ from .._xla import torch_xla_device
 from ..lowering import _require_xla_tensor
 from .autograd import _GradPlan, _ScanFunction
 from .backend import cpu_codegen
-from .cache import _cached_plan, _Plan
+from .cache import _cached_plan, _Plan, global_state
 from .dynamo import refused_under_compile
-from .errors import ScanInputError
+from .errors import ScanInputError, ScanUnsupportedError
+from .guard import describe_callable, refuse_nested
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
-from .trace import _signature, _trace, _Traced, clear_frame_locals
+from .trace import _signature, _trace, _Traced, clear_frame_locals, refuse_kept_intermediates
 
 PyTree = Any
 
@@ -73,6 +74,15 @@ def _make_plan(step: Callable, traced: _Traced, init: list[torch.Tensor], xs: li
     if length == 0:
         return plan
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(init, xs, outside))
+    if needs_grad and traced.reads_host:
+        # AOTAutograd traces fn on fake tensors and cannot take a real host tensor in.
+        raise ScanUnsupportedError(
+            "scan: fn reads a tensor on the host (a CPU tensor it did not receive, e.g. a table it uploads with "
+            ".to(device)) while gradients are needed; the autograd trace cannot take host tensors in. Move it "
+            "to the XLA device once, outside fn (table = table.to(device)), and read that: it becomes a loop "
+            "operand, read anew on every call. (Without gradients host tensors work: their contents are "
+            "part of the cache key.)"
+        )
     if needs_grad:
         carry_sig = [_signature(t) for t in init]
         x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs]
@@ -154,6 +164,7 @@ def scan(
       under ``torch.manual_seed``. Inside ``torch.compile`` it raises
       (see ``_scan/dynamo.py``).
     """
+    refuse_nested("scan")
     if not callable(fn):
         raise ScanInputError(f"scan: fn must be callable, got {type(fn).__name__}")
     if partition_fn is not None and not callable(partition_fn):
@@ -221,6 +232,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     carry_sig = [_signature(t) for t in init_l]
     x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
     traced = _trace(step, carry_sig, x_sig)
+    made = list(traced.made)
     try:
         n_c = len(init_l)
         if check_traced is not None:
@@ -230,13 +242,16 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
             check_written(written)
             step = _with_written_xs(step, written)
             traced = _trace(step, carry_sig, x_sig)
+            made += traced.made
         outside = traced.outside
         specs = tuple(_canonical_specs(init_l + xs_l + outside))
         key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
-               tuple(t.requires_grad for t in init_l + xs_l + outside), torch.is_grad_enabled(), length, reverse,
+               tuple(t.requires_grad for t in init_l + xs_l + outside), global_state(), length, reverse,
                partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint, extra_key)
         plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
                             pure)
+        traced = None  # what fn made and is still alive without the trace, fn kept
+        refuse_kept_intermediates(made, describe_callable(fn))
         if length == 0:
             carry_l = init_l
             device = torch_xla_device()

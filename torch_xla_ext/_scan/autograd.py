@@ -19,6 +19,7 @@ import torch
 from .._annotate import behind_barrier, regather_mark, scan_autograd_trace
 from .._partitionable import partitionable_ops
 from .._xla import torch_xla_device
+from .errors import ScanUnsupportedError
 from .lift import Lifter
 from .loop import _Loop, _lower, _run
 from .sharding import _apply_shardings, _sharding_of
@@ -388,6 +389,15 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            # create_graph=True: the backward loop is not itself differentiable; a
+            # detached gradient would silently drop every second derivative.
+            raise ScanUnsupportedError(
+                "scan: the backward of a scan is not differentiable, so create_graph=True (a gradient "
+                "penalty, a Hessian-vector product, torch.autograd.grad(..., create_graph=True)) cannot go "
+                "through it. Compute such terms with a Python loop over the layers, or without "
+                "create_graph."
+            )
         plan: _GradPlan = ctx.plan
         n_c, n_x = plan.n_c, plan.n_x
         saved = list(ctx.saved_tensors)

@@ -9,6 +9,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
+
 if TYPE_CHECKING:  # the plan's parts; imported for annotations only (they import this module)
     from .autograd import _GradPlan
     from .loop import _Loop
@@ -41,6 +43,25 @@ class ScanCacheInfo(NamedTuple):
     traces: int  # calls that lowered fn into new loops (a miss)
     hits: int    # calls whose trace matched a cached plan's fingerprint
     size: int    # plans held
+
+
+def global_state() -> object:
+    """PyTorch's process state that changes what a trace computes, comparable: part of every cache key.
+
+    Dynamo's ``GlobalStateGuard`` (grad mode, autocast enabled and dtype per
+    device, the default dtype, deterministic algorithms, reduced-precision
+    matmul flags, torch-function state) as its JSON text: about 3 us. A loop
+    lowered under autocast is then never served to a call without it, nor
+    the other way round.
+    """
+    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    getstate = getattr(guard, "__getstate__", None)
+    if getstate is not None:
+        state = getstate()
+        if isinstance(state, str):
+            return state
+    return (torch.is_grad_enabled(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda", "xla")))
 
 
 _cache_lock = threading.Lock()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ScanInputError"]
+__all__ = ["ScanInputError", "ScanUnsupportedError"]
 
 
 class ScanInputError(TypeError, ValueError):
@@ -11,4 +11,15 @@ class ScanInputError(TypeError, ValueError):
     Both a ``TypeError`` and a ``ValueError``: torch_xla's ``scan`` and
     ``scan_layers`` raise ``ValueError`` for a non-callable ``fn`` and for
     layers that differ, and code written against either keeps catching it.
+    """
+
+
+class ScanUnsupportedError(RuntimeError):
+    """``fn`` did something one traced loop cannot do as the Python loop does; refused, nothing computed.
+
+    Raised while ``fn`` is traced, before anything runs on the device (a host
+    read of a tensor's value, a nested scan, a host random draw, a computed
+    tensor kept beyond the call; the message names the user's line), or by
+    the backward when asked for a differentiable gradient
+    (``create_graph=True``).
     """

@@ -10,12 +10,15 @@ While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
   different tensor is read as it is now.
 * **Record** a fingerprint of the trace: each torch call's function, its
   Python numbers and other non-tensor arguments *by value*, which input /
-  outside tensor / earlier result each tensor argument was, and the identity
-  and version counter of host tensors read from outside. Two traces with equal
+  outside tensor / earlier result each tensor argument was, and the contents
+  (a 128-bit hash of the bytes) of host tensors it reads. Two traces with equal
   fingerprints lower to the same loop with the same constants; a cached loop is
   reused only then. Calls into torch_xla's own ops that bypass torch functions
   (``xm.*``, ``xs.mark_sharding``) are not recorded: their non-tensor
   arguments must not change between calls of one cached fn.
+* **Refuse host reads** of XLA tensors (``.item()``, ``print``, ``if t:``; see
+  :mod:`~torch_xla_ext._scan.guard`) before torch_xla would run a graph over
+  placeholders.
 * **Refuse writes** to outside tensors by any route: an in-place op or ``out=``
   on one fails at once; a write through an alias (``.data``, a view) shows up
   as a changed stand-in after the trace (:meth:`Lifter.check_outside_unchanged`).
@@ -23,6 +26,8 @@ While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
 
 from __future__ import annotations
 
+import hashlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +36,8 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from .._xla import xlac
+from .errors import ScanUnsupportedError
+from .guard import host_read, user_frame
 
 __all__ = ["Lifter", "is_inplace_call", "ValueIdentity"]
 
@@ -56,6 +63,15 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if out is not None:
         targets += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return targets
+
+
+def _content_digest(t: torch.Tensor) -> bytes | None:
+    """A 128-bit hash of a host tensor's bytes (None for layouts without plain bytes: sparse, meta, ...)."""
+    try:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class ValueIdentity:
@@ -112,10 +128,14 @@ class Lifter(TorchFunctionMode):
         # outside tensor k's stand-in, ("t", n) the n-th tensor made by fn.
         self._roles: dict[int, tuple] = {id(t): ("i", k) for k, t in enumerate(inputs)}
         self._made = 0
+        #: Weak references to the XLA tensors fn made (outputs of its torch calls; lifting traces only).
+        self.made: list[weakref.ref] = []
         self._calls: list[tuple] = []
         #: Host tensors and unhashable objects the fingerprint names by identity:
         #: held so that no other object can take their id while a plan lives.
         self.held: list[Any] = []
+        #: Whether fn passed a host tensor from outside to a torch call (recorded traces).
+        self.reads_host = False
         for original, standin in fixed:
             self._add(original, standin)
 
@@ -177,8 +197,13 @@ class Lifter(TorchFunctionMode):
                 # Never held: a live lazy tensor over placeholders would be
                 # materialized by the next sync.
                 return ("xla", type(value).__name__, tuple(value.shape), value.dtype)
-            # A host tensor from outside: its values are baked into the trace, so a
-            # new object or an in-place change must not reuse the plan.
+            # A host tensor: its values are baked into the trace (uploaded as a
+            # constant), so the plan is keyed by its contents. A write through
+            # .data or a numpy view moves no version counter; contents catch it.
+            self.reads_host = True
+            digest = _content_digest(value)
+            if digest is not None:
+                return ("h", tuple(value.shape), value.dtype, value.device.type, digest)
             self.held.append(value)
             return ("h", id(value), value._version, value.device.type)
         if isinstance(value, float):
@@ -226,6 +251,15 @@ class Lifter(TorchFunctionMode):
     # -------------------------------------------------------------------- mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        read = host_read(func, args, kwargs)
+        if read is not None:
+            raise ScanUnsupportedError(
+                f"scan: fn reads a tensor's value on the host ({read}) at {user_frame()}. scan traces fn once "
+                f"on placeholders without running it, so it cannot read values each iteration as the Python "
+                f"loop would (print, .item(), .tolist(), .cpu(), `if t > 0:` and ops whose result shape depends "
+                f"on values all do). Compute with tensors instead (torch.where for an if, a fixed-size mask for "
+                f"a data-dependent selection), or do the read outside fn."
+            )
         for target in _written(func, args, kwargs):
             if (id(target) not in self._known and id(target) not in self._alias
                     and (target.device.type == "xla" or id(target) in self._index)):
@@ -247,4 +281,6 @@ class Lifter(TorchFunctionMode):
                 if self._record and id(leaf) not in self._roles:
                     self._roles[id(leaf)] = ("t", self._made)
                     self._made += 1
+                    if leaf.device.type == "xla":
+                        self.made.append(weakref.ref(leaf))
         return out

@@ -9,7 +9,9 @@ fingerprint (what a cached loop must match).
 from __future__ import annotations
 
 import contextlib
+import gc
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +20,8 @@ import torch
 from .._annotate import fresh_node
 from .._partitionable import partitionable_ops
 from .._xla import xla_builder
+from .errors import ScanUnsupportedError
+from .guard import ImportedWhileTracing, tracing
 from .lift import Lifter, ValueIdentity
 
 Sig = tuple[tuple[int, ...], torch.dtype]
@@ -67,6 +71,8 @@ class _Traced(NamedTuple):
     mutated: tuple[int, ...]        # carry + x leaves the step wrote into, by position
     fingerprint: tuple              # what a cached loop must match (lifting traces; see Lifter)
     held: list[Any]                 # objects the fingerprint names by identity
+    made: list[weakref.ref]         # XLA tensors fn made (lifting traces): see refuse_kept_intermediates
+    reads_host: bool                # fn passed a host tensor from outside to a torch call (lifting traces)
 
 
 def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequence[Sig] | None = None) -> _Traced:
@@ -78,10 +84,18 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
     next ``torch_xla.sync()`` would try to execute if the exception were kept
     (a failed test's report, ``sys.last_traceback``).
     """
+    made: list[weakref.ref] = []
     try:
-        return _trace_on_placeholders(step, carry, x, outside)
+        try:
+            return _trace_on_placeholders(step, carry, x, outside, made)
+        except ImportedWhileTracing:
+            _neutralize(_alive(made))
+            made.clear()
+            return _trace_on_placeholders(step, carry, x, outside, made)
     except BaseException as error:
         clear_frame_locals(error)
+        # fn may have kept tensors before it failed (or was refused): no later sync may run them.
+        _neutralize(_alive(made))
         raise
 
 
@@ -104,7 +118,7 @@ def clear_frame_locals(error: BaseException) -> None:
 
 
 def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
-                           outside: Sequence[Sig] | None) -> _Traced:
+                           outside: Sequence[Sig] | None, made: list[weakref.ref]) -> _Traced:
     """Run ``step`` lazily on placeholders.
 
     With ``outside=None`` this is the lifting trace of a user step,
@@ -127,12 +141,13 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
     lifting = outside is None
     if lifting:
         lifter = Lifter(carry_in + x_in + carry_ph + x_ph, standin, record=True)
+        lifter.made = made
         # Written inputs: in-place ops (also through views) bump the version
         # counter; ops that update an argument from C++ (batch_norm's running
         # stats) replace only its value. A sharding annotation replaces the value
         # too, and then the input counts as written (a copy is harmless).
         identity = ValueIdentity(carry_in + x_in)
-        with partitionable_ops(), lifter, _rng_state_kept():
+        with tracing(), partitionable_ops(), lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in)
         lifter.check_outside_unchanged()
         mutated = tuple(k for k, c in enumerate(identity.changed(carry_in + x_in)) if c)
@@ -143,13 +158,56 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         outside_ph = [_placeholder(*s) for s in outside]
         outside_in = [_not_device_data(t) for t in outside_ph]
         lifter = Lifter(carry_in + x_in + outside_in + carry_ph + x_ph + outside_ph, None)
-        with partitionable_ops(), lifter, _rng_state_kept():
+        with tracing(), partitionable_ops(), lifter, _rng_state_kept():
             carry_out, ys = step(carry_in, x_in, outside_in)
         mutated = ()
     carry_out, ys = list(carry_out), list(ys)
     fingerprint = lifter.fingerprint() if lifting else ()
     return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
-                   lifter.held)
+                   lifter.held, lifter.made, lifter.reads_host)
+
+
+def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: str) -> None:
+    """Refuse XLA tensors a lifting trace made that are still alive once the trace is dropped.
+
+    Call it after the last reference to the :class:`_Traced` is gone: what is
+    still alive was kept by fn (appended to a list, stored in an attribute).
+    Those are lazy values over placeholders: the next ``torch_xla.sync()``
+    would execute them and crash, and in the Python loop they would hold one
+    iteration's values, which a scan cannot give. Before raising, each kept
+    tensor is neutralized (:func:`_neutralize`). ``fn`` names the traced
+    function in the message.
+    """
+    kept = _alive(made)
+    if not kept:
+        return
+    shown = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in kept[:4])
+    count = len(kept)
+    _neutralize(kept)
+    del kept
+    raise ScanUnsupportedError(
+        f"scan: fn, {fn}, keeps {count} tensor(s) it computed beyond its call ({shown}"
+        f"{', ...' if count > 4 else ''}): appended to a list, stored in an attribute, a dict or a global. scan "
+        f"traces fn once on placeholders, so what it keeps holds no iteration's values (the Python loop would "
+        f"keep each iteration's). Return such values as ys (stacked over iterations) or in the carry. The kept "
+        f"tensors now hold NaN (integers: 0) so that no later torch_xla.sync() runs them."
+    )
+
+
+def _alive(made: Sequence[weakref.ref]) -> list[torch.Tensor]:
+    """The tensors of ``made`` still alive (after one collection if any were: a cycle may hold them)."""
+    if not any(r() is not None for r in made):
+        return []
+    gc.collect()
+    return [t for t in (r() for r in made) if t is not None]
+
+
+def _neutralize(kept: list[torch.Tensor]) -> None:
+    """Give each kept lazy tensor a value of its shape (NaN, integers 0) instead of its graph over placeholders."""
+    with torch.no_grad():
+        for t in kept:
+            fill = float("nan") if t.is_floating_point() or t.is_complex() else 0
+            t.data = torch.full(t.shape, fill, dtype=t.dtype, device=t.device)
 
 
 def _check_no_y_aliases_written_carry(ys: Sequence[torch.Tensor], carry_in: Sequence[torch.Tensor],

@@ -1,0 +1,226 @@
+"""What a traced loop cannot do as the Python loop does is refused with a catchable error, never a crash.
+
+Host reads inside ``fn`` (``.item()``, ``if t > 0``, ``print``, ``.cpu()``,
+data-dependent shapes), tensors ``fn`` keeps beyond its call, and nested
+scans used to kill the process (exit 139) while tracing or at the next
+``torch_xla.sync()``. Those cases run in a child process, twice, which must
+survive them, get a ``ScanUnsupportedError`` naming the user's line for each,
+and then still compute correctly. The rest run here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_ext as txe
+
+from scan_reference import python_scan
+
+_CHILD = textwrap.dedent('''
+    import gc, os, sys
+    os.environ.setdefault("PJRT_DEVICE", "CPU"); os.environ.setdefault("CPU_NUM_DEVICES", "8")
+    import torch, torch_xla, torch_xla.runtime as xr
+    xr.use_spmd()
+    import torch_xla_ext as txe
+    dev = torch_xla.device()
+    torch.autograd.grad(torch.ones(2, device=dev).requires_grad_().sum(), [])  if False else None
+    kept = []
+
+    def f_item(c, x): return c + x * (c.sum().item() + 1), None
+    def f_if(c, x):
+        if c.sum() > 0:
+            return c + x, None
+        return c - x, None
+    def f_print(c, x):
+        print(c)
+        return c + x, None
+    def f_nonzero(c, x): return c + x, torch.nonzero(x)
+    def f_tolist(c, x): return c + x * len(c.tolist()), None
+    def f_cpu(c, x): return c + x.cpu().to(dev), None
+    def f_float(c, x): return c + float(x[0]), None
+    def f_mask(c, x): return c + x, x[x > 0.5].sum()
+    def f_repeat(c, x): return c + x, torch.repeat_interleave(x, (x > 0).long()).sum()  # not in the list
+    def f_keep(c, x):
+        h = c * 2 + x
+        kept.append(h)
+        return h, None
+    def f_keep_view(c, x):
+        h = c * 2 + x
+        kept.append(h[1:])
+        return c + x, None
+    def f_keep_then_read(c, x):  # kept, then refused for another reason: the kept tensor must not crash a sync
+        kept.append(c * 3)
+        return c + x * c.sum().item(), None
+    def f_nested(c, x):
+        inner, _ = txe.scan(lambda a, b: (a + b, None), c, x.reshape(2, 2).repeat(1, 2))
+        return inner, None
+
+    cases = [name for name in dir() if name.startswith("f_")]
+    init, xs = torch.zeros(4, device=dev), torch.ones(3, 4, device=dev)
+    for name in sorted(cases):
+        for grad in (False, True):
+            i = init.clone().requires_grad_(grad)
+            try:
+                c, _ = txe.scan(globals()[name], i, xs)
+                torch_xla.sync()
+                print(name, grad, "not refused", c.cpu().tolist(), flush=True)
+            except txe.ScanUnsupportedError as error:
+                print(name, grad, "refused", "test_child.py" in str(error) or "<string>" in str(error), flush=True)
+            torch_xla.sync()  # with what fn kept still alive
+            kept.clear()
+            gc.collect()
+            torch_xla.sync()
+    c, _ = txe.scan(lambda c, x: (c + x, None), init, xs)
+    print("alive", c.cpu().tolist(), torch_xla._XLAC._get_allow_execution(), flush=True)
+''')
+
+
+def test_host_reads_kept_tensors_and_nested_scans_are_refused_and_the_process_survives(tmp_path):
+    script = tmp_path / "test_child.py"
+    script.write_text(_CHILD)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
+    for _ in range(2):  # a crash could be intermittent: run the whole sequence twice
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"child died with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+        lines = [line.split() for line in proc.stdout.splitlines() if line.startswith(("f_", "alive"))]
+        results = {(w[0], w[1]): w[2:] for w in lines if w[0].startswith("f_")}
+        assert len(results) == 2 * 13, proc.stdout
+        for (name, grad), rest in results.items():
+            # Refused, naming the script's line (the user's code), in both modes.
+            assert rest == ["refused", "True"], f"{name} grad={grad}: {rest}\n{proc.stdout}"
+        assert lines[-1] == ["alive", "[3.0,", "3.0,", "3.0,", "3.0]", "True"], proc.stdout
+
+
+def test_a_refusal_names_the_user_line_and_switches_execution_back_on(device):
+    def step(c, x):
+        return c + x * c.sum().item(), None  # noqa: the host read under test
+
+    with pytest.raises(txe.ScanUnsupportedError, match=r"item\(\).*test_scan_refusals.py:\d+ \(step\)"):
+        txe.scan(step, torch.zeros(4, device=device), torch.ones(2, 4, device=device))
+    assert torch_xla._XLAC._get_allow_execution()
+    assert (torch.ones(2, device=device) * 3).sum().item() == 6.0  # executions work again
+
+
+@pytest.mark.parametrize("source", ["torch", "random", "numpy"])
+def test_host_random_draws_are_refused_and_the_generators_put_back(device, source):
+    draw = {"torch": lambda: torch.rand(4).to(device),
+            "random": lambda: random.random(),
+            "numpy": lambda: float(np.random.rand())}[source]
+
+    def step(c, x):
+        return c + x * draw(), None
+
+    before = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    with pytest.raises(txe.ScanUnsupportedError, match="draws random numbers"):
+        txe.scan(step, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
+    assert torch.equal(torch.random.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+
+
+def test_device_random_draws_still_differ_per_iteration_and_reproduce(device):
+    def step(c, x):
+        return c, torch.rand(4, device=x.device) + x
+
+    torch.manual_seed(7)
+    _, a = txe.scan(step, torch.zeros(4, device=device), torch.zeros(3, 4, device=device))
+    torch.manual_seed(7)
+    _, b = txe.scan(step, torch.zeros(4, device=device), torch.zeros(3, 4, device=device))
+    a, b = a.cpu(), b.cpu()
+    assert torch.equal(a, b)
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[1], a[2])
+
+
+def test_create_graph_through_scan_is_refused_naming_it(device):
+    w = torch.full((4,), 0.5, device=device, requires_grad=True)
+
+    def step(c, x):
+        return torch.tanh(c * w + x), None
+
+    c, _ = txe.scan(step, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
+    loss = c.square().sum()
+    with pytest.raises(txe.ScanUnsupportedError, match="create_graph"):
+        torch.autograd.grad(loss, w, create_graph=True)
+    # Without create_graph the same scan still trains.
+    c, _ = txe.scan(step, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
+    (g,) = torch.autograd.grad(c.square().sum(), w)
+    ref_w = w.detach().cpu().requires_grad_()
+    ref, _ = python_scan(lambda c, x: (torch.tanh(c * ref_w + x), None), torch.zeros(4), torch.ones(3, 4))
+    (ref_g,) = torch.autograd.grad(ref.square().sum(), ref_w)
+    torch.testing.assert_close(g.cpu(), ref_g)
+
+
+@pytest.mark.parametrize("route", ["data", "numpy"])
+def test_host_tensor_written_behind_its_version_counter_is_read_anew(device, route):
+    table = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    def step(c, x):
+        return c + x * table.to(x.device), None
+
+    init, xs_ = torch.zeros(4, device=device), torch.ones(3, 4, device=device)
+    first, _ = txe.scan(step, init, xs_)
+    if route == "data":
+        table.data.mul_(10)
+    else:
+        table.numpy()[:] *= 10
+    second, _ = txe.scan(step, init, xs_)
+    torch.testing.assert_close(first.cpu(), torch.tensor([3.0, 6.0, 9.0, 12.0]))
+    torch.testing.assert_close(second.cpu(), torch.tensor([30.0, 60.0, 90.0, 120.0]))
+
+
+def test_equal_host_contents_in_a_new_tensor_reuse_the_loop(device):
+    from torch_xla_ext.scan import scan_cache_info
+
+    def step(c, x):
+        return c + x * torch.tensor([1.0, 2.0, 3.0, 4.0]).to(x.device), None  # a new host tensor each call
+
+    init, xs_ = torch.zeros(4, device=device), torch.ones(3, 4, device=device)
+    txe.scan(step, init, xs_)
+    before = scan_cache_info()
+    c, _ = txe.scan(step, init, xs_)
+    after = scan_cache_info()
+    assert (after.hits - before.hits, after.traces - before.traces) == (1, 0)
+    torch.testing.assert_close(c.cpu(), torch.tensor([3.0, 6.0, 9.0, 12.0]))
+
+
+_FIRST_MARK_SHARDING = textwrap.dedent('''
+    import os, sys
+    os.environ.setdefault("PJRT_DEVICE", "CPU"); os.environ.setdefault("CPU_NUM_DEVICES", "8")
+    sys.modules["torchax"] = None
+    import numpy as np, torch, torch_xla, torch_xla.runtime as xr
+    xr.use_spmd()
+    import torch_xla.distributed.spmd as xs
+    import torch_xla_ext as txe
+    dev = torch_xla.device()
+    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+    assert "jax" not in sys.modules
+    state = np.random.get_state()[1].copy()
+
+    def fn(c, x):
+        xs.mark_sharding(c, mesh, ("fsdp",))  # its first call imports jax, whose import draws from numpy
+        return c + x, None
+
+    c, _ = txe.scan(fn, torch.zeros(8, device=dev), torch.ones(3, 8, device=dev))
+    assert "jax" in sys.modules
+    print("ok", c.cpu().tolist() == [3.0] * 8, np.array_equal(np.random.get_state()[1], state))
+''')
+
+
+def test_a_module_imported_while_tracing_is_not_taken_for_a_host_draw(tmp_path):
+    # In a fresh process: in this one jax is imported already.
+    script = tmp_path / "first_mark_sharding.py"
+    script.write_text(_FIRST_MARK_SHARDING)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    # The scan ran, and the first trace's draws (the import's) were undone before the second trace.
+    assert "ok True True" in proc.stdout, proc.stdout

@@ -1,0 +1,218 @@
+"""What may not happen while a step function is traced, refused with :class:`ScanUnsupportedError`.
+
+``scan`` runs ``fn`` once, lazily, on placeholder tensors that have a shape
+and a dtype but no buffer. Anything that makes torch_xla *execute* the lazy
+graph (``.item()``, ``if t > 0``, ``print(t)``, ``.cpu()``, an op whose output
+shape depends on values such as ``torch.nonzero``) would run a computation over
+those placeholders: torch_xla 2.9 dies with a segmentation fault there. So
+while ``fn`` is traced:
+
+* the :class:`~torch_xla_ext._scan.lift.Lifter` refuses the explicit host
+  reads it sees (:func:`host_read`), naming the user's line;
+* torch_xla's own switch ``_set_allow_execution(False)`` is on, so any other
+  execution (an op torch_xla runs on the CPU, a read we did not list) raises
+  inside torch_xla instead of crashing, and :func:`tracing` turns that error
+  into a :class:`ScanUnsupportedError`. The switch is process-wide: another
+  thread that makes torch_xla execute during those milliseconds gets
+  torch_xla's "Unexpected execution" error (README, *What scan refuses*);
+* a scan inside ``fn`` is refused (nested scans are not supported);
+* a draw from a host random generator (torch's CPU generator, Python's
+  ``random``, numpy's global state) is refused and the generators are put back:
+  the loop would draw new numbers each iteration, a trace draws once. A trace
+  that also imported modules (first uses inside torch_xla import jax, whose
+  import draws from numpy) raises :class:`ImportedWhileTracing` instead, and
+  the caller traces once more, its imports done, to tell who drew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType, TracebackType
+
+import numpy as np
+import torch
+
+from .._xla import xlac
+from .errors import ScanUnsupportedError
+
+__all__ = ["ImportedWhileTracing", "tracing", "refuse_nested", "host_read", "user_frame", "describe_callable"]
+
+
+class ImportedWhileTracing(Exception):
+    """A host generator moved during a trace that also imported modules: trace again to tell who drew."""
+
+
+_local = threading.local()
+
+#: torch_xla's message when it is asked to execute while execution is switched off.
+_EXECUTION_REFUSED = "Unexpected execution happens inside the compiled function"
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))  # torch_xla added lazily
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import torch_xla
+
+    import torch_xla_ext
+
+    return _LIBRARY_DIRS + tuple(os.path.dirname(m.__file__) + os.sep for m in (torch_xla, torch_xla_ext))
+
+
+def _is_user(filename: str, library: tuple[str, ...]) -> bool:
+    return not filename.startswith(library) and not filename.startswith("<frozen")
+
+
+def user_frame(frame: FrameType | None = None, tb: TracebackType | None = None) -> str:
+    """``file:line (function)`` of the innermost frame outside torch, torch_xla and this package."""
+    library = _library_dirs()
+    if tb is not None:
+        found = None
+        while tb is not None:
+            if _is_user(tb.tb_frame.f_code.co_filename, library):
+                found = (tb.tb_frame.f_code, tb.tb_lineno)
+            tb = tb.tb_next
+        if found is not None:
+            return f"{found[0].co_filename}:{found[1]} ({found[0].co_name})"
+    f = frame if frame is not None else sys._getframe(1)
+    while f is not None:
+        if _is_user(f.f_code.co_filename, library):
+            return f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "<unknown line>"
+
+
+def describe_callable(fn: object) -> str:
+    """``name (file:line)`` of a function, method or module's forward, for messages.
+
+    A function with a ``describes`` attribute (scan_layers' step) is described
+    as what that names (the layer class's forward).
+    """
+    fn = getattr(fn, "describes", fn)
+    if isinstance(fn, torch.nn.Module):
+        fn = type(fn).forward
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def refuse_nested(api: str) -> None:
+    """Raise :class:`ScanUnsupportedError` when ``api`` is called while this thread traces a step function."""
+    if getattr(_local, "depth", 0):
+        raise ScanUnsupportedError(
+            f"{api}: nested scans are not supported: it was called inside a function that scan or scan_layers "
+            f"is tracing (at {user_frame()}). Run the inner loop as a Python loop inside fn, or restructure "
+            f"the two loops into one scan whose carry holds both states."
+        )
+
+
+def _host_rng_state() -> tuple:
+    return torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+
+
+def _restore_host_rng(state: tuple) -> None:
+    torch.default_generator.set_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+
+
+def _rng_changed(before: tuple, after: tuple) -> list[str]:
+    changed = []
+    if not torch.equal(before[0], after[0]):
+        changed.append("torch's CPU generator (torch.rand/randn/randint/... without device=)")
+    if before[1] != after[1]:
+        changed.append("Python's random module")
+    b, a = before[2], after[2]
+    if b[0] != a[0] or not np.array_equal(b[1], a[1]) or b[2:] != a[2:]:
+        changed.append("numpy's global random state")
+    return changed
+
+
+@contextlib.contextmanager
+def tracing(api: str = "scan") -> Iterator[None]:
+    """The scope in which a step function runs on placeholders (see the module docstring)."""
+    X = xlac()
+    allowed = X._get_allow_execution()
+    rng = _host_rng_state()
+    modules = len(sys.modules)
+    _local.depth = getattr(_local, "depth", 0) + 1
+    X._set_allow_execution(False)
+    try:
+        yield
+    except RuntimeError as error:
+        if _EXECUTION_REFUSED not in str(error) or isinstance(error, ScanUnsupportedError):
+            raise
+        raise ScanUnsupportedError(
+            f"{api}: fn made torch_xla execute the graph while it was being traced (at "
+            f"{user_frame(tb=error.__traceback__)}): it read a tensor's value on the host, or called an op "
+            f"whose result depends on values (torch.nonzero, boolean-mask indexing, .unique(), ...). scan "
+            f"traces fn once on placeholders without running it, so it cannot read values each iteration as "
+            f"the Python loop would. Compute with tensors instead (torch.where for an if, a fixed-size mask "
+            f"for a data-dependent selection), or do the read outside fn."
+        ) from None
+    finally:
+        X._set_allow_execution(allowed)
+        _local.depth -= 1
+        after = _host_rng_state()
+        drawn = _rng_changed(rng, after)
+        if drawn:
+            _restore_host_rng(rng)
+    if drawn and len(sys.modules) != modules:
+        # A module imported on first use (jax, under torch_xla's mark_sharding) may draw at import:
+        # the trace cannot tell that from fn's own draw. The caller traces again, imports done.
+        raise ImportedWhileTracing(drawn)
+    if drawn:
+        raise ScanUnsupportedError(
+            f"{api}: fn draws random numbers from {' and '.join(drawn)}. scan traces fn once, so every "
+            f"iteration (and every later call) would reuse the numbers of that one draw, where the Python loop "
+            f"draws new ones each iteration. Draw on the device instead (torch.rand(..., device=x.device), "
+            f"F.dropout on a device tensor): device draws differ per iteration and are reproducible under "
+            f"torch.manual_seed. (The host generators were put back as they were.)"
+        )
+
+
+#: Tensor methods and torch functions that read a tensor's values on the host,
+#: or whose output shape depends on its values (torch_xla then reads it too).
+_HOST_READS = frozenset({
+    "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+    "__repr__", "__str__", "__format__", "__array__", "__dlpack__", "__contains__", "_local_scalar_dense",
+    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
+    "bincount", "histc",
+})
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` targets a device other than XLA."""
+    try:
+        device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+    except Exception:  # noqa: BLE001 - an odd call: let torch report it
+        return False
+    return device is not None and device.type != "xla"
+
+
+def host_read(func: object, args: tuple, kwargs: dict) -> str | None:
+    """What ``func(*args, **kwargs)`` reads on the host from an XLA tensor (None: nothing)."""
+    name = getattr(func, "__name__", "")
+    if name not in _HOST_READS and name not in ("to", "copy_", "where", "__getitem__"):
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not any(t.device.type == "xla" for t in tensors):
+        return None
+    if name in _HOST_READS:
+        return f"{name}()"
+    if name == "to":
+        return "to() a host device" if _to_host(args, kwargs) else None
+    if name == "copy_":  # host_tensor.copy_(xla_tensor)
+        return "copy_() into a host tensor" if tensors[0].device.type != "xla" else None
+    if name == "where":  # torch.where(cond) is torch.nonzero
+        return "where(condition) without values" if len(args) + len(kwargs) == 1 else None
+    index = args[1] if len(args) > 1 else None
+    leaves = index if isinstance(index, (tuple, list)) else (index,)
+    if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in leaves):
+        return "indexing with a boolean mask (a data-dependent shape)"
+    return None
