@@ -184,6 +184,11 @@ def _exit(module: nn.Module, args: tuple, output: object) -> None:
     _entered.blocks.pop().__exit__(None, None, None)
 
 
+def is_partitionable_hook(hook: object) -> bool:
+    """Whether ``hook`` is one of the two hooks :func:`partition_layer_norms` registers."""
+    return hook is _enter or hook is _exit
+
+
 def partition_layer_norms(modules: Iterable[nn.Module]) -> None:
     """Make each ``nn.LayerNorm`` in ``modules`` run its forward under :func:`partitionable_ops`.
 

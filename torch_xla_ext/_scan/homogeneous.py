@@ -18,7 +18,7 @@ every layer computes the same function of its members:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -118,8 +118,82 @@ def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: i
     return f"layers[{index}] differs in " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
 
 
+#: What ``nn.Module.__init__`` puts in every module's ``__dict__`` (members, children, hook tables) and
+#: what ``nn.Module.compile`` adds: compared by :func:`check_members` and :func:`check_hooks`, not here.
+_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"} | {"_compiled_call_impl"}
+
+_HOOK_TABLES = (("forward pre-hook", "_forward_pre_hooks"), ("forward hook", "_forward_hooks"),
+                ("backward pre-hook", "_backward_pre_hooks"), ("backward hook", "_backward_hooks"))
+
+
 def _readable(layer: torch.nn.Module):
+    """Every attribute of ``layer`` and its submodules that can change what its forward computes.
+
+    Private attributes included (a ``self._scale``), and each submodule's
+    class: a ``Tanh`` in one layer where another has a ``Sigmoid`` shows up
+    here even though neither has an attribute.
+    """
     for path, module in layer.named_modules():
+        yield path, "__class__", type(module)
         for name, value in vars(module).items():
-            if not name.startswith("_"):  # members, children, hooks and other nn.Module bookkeeping
+            if name not in _BOOKKEEPING:
                 yield path, name, value
+
+
+def _describe_hook(hook: object) -> str:
+    code = getattr(hook, "__code__", None)
+    name = getattr(hook, "__qualname__", None) or type(hook).__name__
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def _partitionable(hook: object) -> bool:
+    from .._partitionable import is_partitionable_hook
+
+    return is_partitionable_hook(hook)
+
+
+_allowed_hooks: list[Callable[[object], bool]] = [_partitionable]
+
+
+def allow_hooks(predicate: Callable[[object], bool]) -> None:
+    """Let :func:`check_hooks` accept the hooks ``predicate`` returns True for: hooks that do nothing per layer."""
+    if predicate not in _allowed_hooks:
+        _allowed_hooks.append(predicate)
+
+
+def check_hooks(layers: Sequence[torch.nn.Module]) -> None:
+    """Refuse module hooks on any layer or its submodules, and global module hooks.
+
+    scan_layers runs ``layers[0]``'s forward for every layer with each
+    layer's weights: a hook on ``layers[1]`` would never run, one on
+    ``layers[0]`` would run for every layer and see ``layers[0]`` as its
+    module. Hooks a predicate of :func:`allow_hooks` accepts are allowed: the
+    LayerNorm hooks ``fully_shard`` installs (the same on every layer,
+    reading no module state), and Hugging Face's output-capturing hooks while
+    no output is being captured (``torch_xla_ext.hf`` registers that check).
+    """
+    from torch.nn.modules import module as nn_module
+
+    for kind, table in (("forward pre-hook", "_global_forward_pre_hooks"), ("forward hook", "_global_forward_hooks"),
+                        ("backward pre-hook", "_global_backward_pre_hooks"),
+                        ("backward hook", "_global_backward_hooks")):
+        for hook in getattr(nn_module, table).values():
+            raise ScanInputError(
+                f"scan_layers: a global module {kind} is registered ({_describe_hook(hook)}); scan_layers runs "
+                f"one traced forward for all layers, so it would run once, at trace time, for layers[0] only. "
+                f"Remove it while scanning, or run the layers in a Python loop."
+            )
+    for i, layer in enumerate(layers):
+        for path, module in layer.named_modules():
+            for kind, table in _HOOK_TABLES:
+                for hook in getattr(module, table).values():
+                    if any(allowed(hook) for allowed in _allowed_hooks):
+                        continue
+                    where = f"layers[{i}]" + (f".{path}" if path else "")
+                    raise ScanInputError(
+                        f"scan_layers: {where} has a {kind} ({_describe_hook(hook)}). scan_layers runs "
+                        f"layers[0]'s forward once, traced, for every layer with that layer's weights, so a hook "
+                        f"would not run per layer as in the loop (one on layers[0] would run for every layer and "
+                        f"see layers[0]). Remove the hook (handle.remove()) while scanning, or run these layers "
+                        f"in a Python loop."
+                    )

@@ -15,11 +15,12 @@ from .api import _scan_flat
 from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError
-from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_members, describe_difference,
-                          layer_state, value_key)
+from .guard import describe_callable, refuse_nested
+from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_hooks, check_members,
+                          describe_difference, layer_state, value_key)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
-from .trace import _Traced
+from .trace import _Traced, refuse_kept_intermediates
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -61,6 +62,10 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
+class _DtypeChanged(ScanInputError):
+    """A layer returned what it takes except for dtypes (autocast): the loop's first layer then differs."""
+
+
 def _check_output(template: torch.nn.Module, carry: tuple, out: object, single: bool) -> tuple:
     """``out`` as a tuple of tensors matching ``carry``; raise naming the layer class and what came back."""
     # A tensor for a tensor, a tuple for a tuple: the loop passes the output on as the next input.
@@ -73,7 +78,9 @@ def _check_output(template: torch.nn.Module, carry: tuple, out: object, single: 
                   for o, c in zip(got, carry)))
     if not ok:
         given = _describe(carry[0]) if single else _describe(tuple(carry))
-        raise ScanInputError(
+        only_dtypes = (got is not None and len(got) == len(carry)
+                       and all(isinstance(o, torch.Tensor) and o.shape == c.shape for o, c in zip(got, carry)))
+        raise (_DtypeChanged if only_dtypes else ScanInputError)(
             f"scan_layers: {type(template).__name__}.forward returned {_describe(out)} for the input {given}; "
             f"each layer must return what it takes (the same structure, shapes and dtypes), as the loop "
             f"h = layer(h) needs"
@@ -133,6 +140,7 @@ def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[
                     t.copy_(v.reshape(t.shape))
             return _check_output(layer, carry, out, call.single), None
 
+        layer_step.describes = type(template).forward  # what messages about the step name
         with _layer_steps_lock:
             step = _layer_steps.setdefault(template, {}).setdefault(key, layer_step)
     return step
@@ -214,8 +222,14 @@ def scan_layers(
 @refused_under_compile
 def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | tuple[torch.Tensor, ...],
                  args: tuple, kwargs: dict[str, Any], partition_fn: Callable | None,
-                 is_layer_pure: bool) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """:func:`scan_layers` whose layers also receive ``args`` after the carried inputs (Hugging Face stacks)."""
+                 is_layer_pure: bool, peel: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """:func:`scan_layers` whose layers also receive ``args`` after the carried inputs (Hugging Face stacks).
+
+    ``peel``: when the first layer returns its inputs' shapes in other dtypes
+    (autocast), run it on its own, as the loop's first iteration, and scan
+    the rest on its output (once).
+    """
+    refuse_nested("scan_layers")
     layers = list(layers)
     if not all(isinstance(layer, torch.nn.Module) for layer in layers):
         raise ScanInputError("scan_layers: layers must be a sequence of torch.nn.Module")
@@ -236,6 +250,7 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
         return input_data
     states = [layer_state(layer) for layer in layers]
     names = check_members(layers, states)
+    check_hooks(layers)
     groups = attribute_groups(layers)
     stacked = []
     for name in names:
@@ -263,10 +278,22 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
     def same_trace(traced: _Traced, retrace: Callable[[Callable], _Traced]) -> None:
         _check_same_trace(layers, groups, names, shapes, traced, retrace)
 
-    with _layer_arguments(_Call(single, args, kwargs)):
-        out, _, updated = _scan_flat(step, pytree.tree_flatten(carry)[1], x_spec, list(carry), stacked,
-                                     len(layers), False, partition_fn, is_layer_pure,
-                                     check_written=only_buffers, check_traced=same_trace, extra_key=call_key)
+    try:
+        with _layer_arguments(_Call(single, args, kwargs)):
+            out, _, updated = _scan_flat(step, pytree.tree_flatten(carry)[1], x_spec, list(carry), stacked,
+                                         len(layers), False, partition_fn, is_layer_pure,
+                                         check_written=only_buffers, check_traced=same_trace, extra_key=call_key)
+    except _DtypeChanged:
+        if not peel or len(layers) < 2:
+            raise
+        # Under autocast the first layer turns a float32 input into bfloat16, say, and
+        # every later layer takes and returns bfloat16: run the first as the loop
+        # does, then scan the rest on its output.
+        del stacked, step
+        first = layers[0](*carry, *args, **kwargs)
+        if single != isinstance(first, torch.Tensor):
+            raise
+        return _scan_layers(layers[1:], first, args, kwargs, partition_fn, is_layer_pure, peel=False)
     if updated:
         _write_back_buffers(states, names, shapes, updated)
     return out[0] if single else tuple(out)
@@ -287,7 +314,9 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
         other = retrace(_layer_step(layers[k], names, shapes))
         same = (other.fingerprint == traced.fingerprint and other.mutated == traced.mutated
                 and [id(t) for t in other.outside] == [id(t) for t in traced.outside])
+        made = other.made
         del other
+        refuse_kept_intermediates(made, describe_callable(layers[k]))
         if not same:
             raise ScanInputError(
                 f"scan_layers: {describe_difference(template, layers[k], k)}, and that changes what the layer "

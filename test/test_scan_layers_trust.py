@@ -1,0 +1,197 @@
+"""scan_layers gives the loop's values or refuses: hooks, private attributes, submodule classes, autocast.
+
+Every way a layer can differ from ``layers[0]`` that a scan of ``layers[0]``'s
+forward would miss is either proven irrelevant (the layer traces the same) or
+refused, naming the layer and what differs. Each accepted case is compared
+with the plain loop ``for layer in layers: h = layer(h)`` on the device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torch_xla_ext as txe
+from torch_xla_ext.scan import scan_cache_info
+from torch_xla_ext.testing.tolerances import tolerance
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8, act: type[nn.Module] = nn.Tanh, residual: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.act = act()
+        self._scale = 1.0
+        self.residual = residual
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # Without the residual, autocast makes the output bfloat16 for a float32 input.
+        out = self.act(self.lin(h)) * self._scale
+        return out + h if self.residual else out
+
+
+def _layers(device, n: int = 3, **kw) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Block(**kw) for _ in range(n)).to(device)
+
+
+def _loop(layers, h):
+    for layer in layers:
+        h = layer(h)
+    return h
+
+
+@pytest.mark.parametrize("where", ["forward hook on layers[1]", "pre-hook on layers[2]",
+                                   "hook on layers[1].lin", "hook on layers[0]", "backward hook on layers[1]"])
+def test_module_hooks_are_refused_naming_the_layer_and_the_hook(device, where):
+    layers = _layers(device)
+
+    def double(module, inputs, output):
+        return output * 2
+
+    if where == "forward hook on layers[1]":
+        layers[1].register_forward_hook(double)
+        name = r"layers\[1\] has a forward hook \(.*double"
+    elif where == "pre-hook on layers[2]":
+        layers[2].register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+        name = r"layers\[2\] has a forward pre-hook \(.*lambda"
+    elif where == "hook on layers[1].lin":
+        layers[1].lin.register_forward_hook(double)
+        name = r"layers\[1\]\.lin has a forward hook"
+    elif where == "hook on layers[0]":
+        layers[0].register_forward_hook(double)
+        name = r"layers\[0\] has a forward hook"
+    else:
+        layers[1].register_full_backward_hook(lambda m, gi, go: None)
+        name = r"layers\[1\] has a backward hook"
+    h = torch.randn(4, 8, device=device)
+    before = scan_cache_info()
+    with pytest.raises(txe.ScanInputError, match=name):
+        txe.scan_layers(layers, h)
+    assert scan_cache_info() == before  # refused before anything was traced
+
+
+def test_a_global_module_hook_is_refused(device):
+    layers = _layers(device)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        with pytest.raises(txe.ScanInputError, match="global module forward hook"):
+            txe.scan_layers(layers, torch.randn(4, 8, device=device))
+    finally:
+        handle.remove()
+
+
+def test_hooks_removed_again_scan_like_the_loop(device):
+    layers = _layers(device)
+    handle = layers[1].register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.raises(txe.ScanInputError):
+        txe.scan_layers(layers, torch.randn(4, 8, device=device))
+    handle.remove()
+    h = torch.randn(4, 8, device=device)
+    torch.testing.assert_close(txe.scan_layers(layers, h).cpu(), _loop(layers, h).cpu(),
+                               **tolerance(torch.float32, 8 * 3))
+
+
+def test_a_per_layer_private_attribute_that_changes_the_result_is_refused(device):
+    layers = _layers(device)
+    layers[1]._scale = 2.0
+    with pytest.raises(txe.ScanInputError, match=r"layers\[1\] differs in _scale = 2.0 \(layers\[0\]: 1.0\)"):
+        txe.scan_layers(layers, torch.randn(4, 8, device=device))
+
+
+def test_a_private_attribute_the_forward_does_not_read_is_accepted(device):
+    layers = _layers(device)
+    for i, layer in enumerate(layers):
+        layer._note = f"layer {i}"  # read by nothing in the forward
+    h = torch.randn(4, 8, device=device)
+    torch.testing.assert_close(txe.scan_layers(layers, h).cpu(), _loop(layers, h).cpu(),
+                               **tolerance(torch.float32, 8 * 3))
+
+
+def test_children_of_another_class_are_refused(device):
+    layers = _layers(device)
+    layers[1].act = nn.Sigmoid().to(device)
+    with pytest.raises(txe.ScanInputError, match=r"layers\[1\] differs in act.__class__"):
+        txe.scan_layers(layers, torch.randn(4, 8, device=device))
+
+
+def test_a_child_of_a_subclass_that_computes_the_same_is_accepted(device):
+    class MyTanh(nn.Tanh):
+        pass
+
+    layers = _layers(device)
+    layers[2].act = MyTanh().to(device)
+    h = torch.randn(4, 8, device=device)
+    torch.testing.assert_close(txe.scan_layers(layers, h).cpu(), _loop(layers, h).cpu(),
+                               **tolerance(torch.float32, 8 * 3))
+
+
+def test_a_submodule_in_eval_mode_is_refused_when_it_changes_the_result(device):
+    class Drop(Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, h):
+            return self.drop(super().forward(h))
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Drop() for _ in range(3)).to(device)
+    layers[2].drop.eval()
+    with pytest.raises(txe.ScanInputError, match=r"layers\[2\] differs in drop.training = False"):
+        txe.scan_layers(layers, torch.randn(4, 8, device=device))
+
+
+@pytest.mark.parametrize("first", ["autocast", "plain"])
+def test_autocast_state_is_part_of_reuse(device, first):
+    layers = _layers(device, residual=False)
+    h = torch.randn(4, 8, device=device)
+    order = [first, "plain" if first == "autocast" else "autocast"] * 2
+    for mode in order:
+        if mode == "autocast":
+            with torch.autocast("xla", dtype=torch.bfloat16):
+                got, want = txe.scan_layers(layers, h), _loop(layers, h)
+            assert got.dtype == want.dtype == torch.bfloat16
+        else:
+            got, want = txe.scan_layers(layers, h), _loop(layers, h)
+            assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu(), **tolerance(want.dtype, 8 * 3))
+
+
+def test_scan_layers_under_autocast_trains_like_the_loop(device):
+    layers = _layers(device, n=4, residual=False)
+    ref = copy.deepcopy(layers)
+    h = torch.randn(4, 8, device=device)
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        out = txe.scan_layers(layers, h)
+        want = _loop(ref, h)
+    assert out.dtype == want.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    want.float().square().sum().backward()
+    tol = tolerance(torch.bfloat16, 8 * 4)
+    torch.testing.assert_close(out.float().cpu(), want.float().cpu(), **tol)
+    for (name, p), q in zip(layers.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), **tolerance(torch.bfloat16, 4 * 8 * 4),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_scan_under_autocast_and_without_uses_its_own_loop(device):
+    w = torch.randn(8, 8, device=device)
+
+    def step(c, x):
+        return c, (x @ w).float()
+
+    xs_ = torch.randn(3, 4, 8, device=device)
+    init = torch.zeros(4, device=device)
+    _, plain = txe.scan(step, init, xs_)
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        _, mixed = txe.scan(step, init, xs_)
+        want = torch.stack([(x @ w).float() for x in xs_])
+    _, plain_again = txe.scan(step, init, xs_)
+    torch.testing.assert_close(mixed.cpu(), want.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(plain_again.cpu(), plain.cpu(), rtol=0, atol=0)
+    assert not torch.equal(mixed.cpu(), plain.cpu())  # bfloat16 matmuls round differently
