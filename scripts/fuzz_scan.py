@@ -6,7 +6,9 @@ seeds (each cold, cached and with changed context values; values and
 gradients against the Python loop on the CPU; see that module) and prints one
 line per failure and a summary: examples run, failures, plans built and served
 from the cache, and how many programs used each feature. A failing seed
-reproduces with ``--start SEED --count 1``.
+reproduces with ``--start SEED --count 1``. Programs are drawn with every
+hazard, those that used to kill the process included (a host read, a nested
+scan, a kept intermediate): each must be refused and the process must survive.
 
 Usage::
 
@@ -49,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     start = time.perf_counter()
     for seed in range(args.start, args.start + args.count):
-        program = draw(seed)
+        program = draw(seed, crashy=True)
         for name in ("reverse", "xs_none", "pytree_carry", "grad", "iadd_carry", "layers", "buffers"):
             features[name] += bool(getattr(program, name))
         features[str(program.dtype).replace("torch.", "")] += 1
+        features[f"hazard={program.hazard}"] += 1
         features[f"y={program.y_kind}"] += 1
         for op in {op[0] for op in program.ops}:
             features[op] += 1

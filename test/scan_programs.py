@@ -16,6 +16,17 @@ programs, ``txe.scan_layers`` over modules whose forward is the program):
 3. with new context values (new tensors, new Python numbers) and new inputs:
    against the Python loop again, so a stale plan shows as a wrong number.
 
+A program may also carry a *hazard*, something ordinary Python does that a
+traced loop must either reproduce or refuse: a host tensor written behind its
+version counter between calls (``.data``; with gradients it is refused), per-layer private attributes (equal:
+accepted; different: refused), a module hook on one layer, a host random draw,
+``create_graph=True`` through the scan, and (:func:`draw` with ``crashy=True``,
+for ``scripts/fuzz_scan.py``, which runs in its own process) the ones that used
+to kill the process: a host read (``.item()``), a nested scan, an intermediate
+kept in a list. A refused hazard must raise the documented error before
+anything runs, leave the host generators as they were, and the same program
+without it must then still match the loop.
+
 Values and gradients (of init, xs, the outside tensors, the layers'
 parameters) are compared with :func:`~torch_xla_ext.testing.tolerances.tolerance`
 for the program's dtype and the length of its longest accumulation chain;
@@ -37,7 +48,10 @@ import dataclasses
 import functools
 import math
 import random
+import re
 from collections.abc import Callable
+
+import pytest
 
 import torch
 import torch.utils._pytree as pt
@@ -72,6 +86,7 @@ class Program:
     ops: tuple[tuple, ...]
     layers: bool           # also run as scan_layers over modules
     buffers: bool          # the layers update buffers in place
+    hazard: str = "none"   # see the module doc and _HAZARDS
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -79,8 +94,29 @@ class Program:
         return ", ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def draw(seed: int) -> Program:
-    """The program of ``seed`` (the same on every machine and run)."""
+#: Hazards a traced loop reproduces (compared with the loop) ...
+_KEPT_HAZARDS = ("host_table", "private_equal")
+#: ... and those it refuses: (error type, text the message must contain).
+_REFUSED = {
+    "private_differs": (txe.ScanInputError, "_k"),
+    "host_table_grad": (txe.ScanUnsupportedError, "reads a tensor on the host"),
+    "hook": (txe.ScanInputError, "forward hook"),
+    "host_rng": (txe.ScanUnsupportedError, "draws random numbers"),
+    "create_graph": (txe.ScanUnsupportedError, "create_graph"),
+    "host_read": (txe.ScanUnsupportedError, "item()"),
+    "nested": (txe.ScanUnsupportedError, "nested"),
+    "keep": (txe.ScanUnsupportedError, "keeps"),
+}
+#: Hazards that killed the process before they were refused: drawn only for the fuzz script's own process.
+_CRASHY = ("host_read", "nested", "keep")
+_LAYER_ONLY = ("private_equal", "private_differs", "hook")
+_HAZARDS = _KEPT_HAZARDS + tuple(_REFUSED)
+
+_kept: list = []  # where the "keep" hazard keeps its intermediates
+
+
+def draw(seed: int, crashy: bool = False) -> Program:
+    """The program of ``seed`` (the same on every machine and run); ``crashy``: see the module doc."""
     rng = random.Random(seed)
     xs_none = rng.random() < 0.15
     ops = []
@@ -91,7 +127,7 @@ def draw(seed: int) -> Program:
     # in-place update of the carry is legal in the eager reference too.
     ops.append(("add_x",) if not xs_none else ("bias",))
     layers = not xs_none and rng.random() < 0.4
-    return Program(
+    program = Program(
         seed=seed,
         dtype=torch.bfloat16 if rng.random() < 0.2 else torch.float32,
         batch=rng.choice([1, 2, 3]),
@@ -107,6 +143,12 @@ def draw(seed: int) -> Program:
         layers=layers,
         buffers=layers and rng.random() < 0.5,
     )
+    # Drawn last, so every other field of a seed is what it was before hazards existed.
+    choices = [h for h in _HAZARDS if (layers or h not in _LAYER_ONLY) and (crashy or h not in _CRASHY)
+               and (program.grad or h not in ("create_graph", "host_table_grad"))
+               and not (program.grad and h == "host_table")]
+    hazard = rng.choice(choices) if rng.random() < 0.4 else "none"
+    return dataclasses.replace(program, hazard=hazard)
 
 
 # --------------------------------------------------------------------------- the step
@@ -148,6 +190,21 @@ def _body(p: Program, h: torch.Tensor, w, a, ctx: dict) -> torch.Tensor:
         h.add_(ctx["k"])  # in place on the carry fn received
     for op in p.ops:
         h = _apply(op, h, w, a, ctx)
+    return _hazard(p, h, ctx)
+
+
+def _hazard(p: Program, h: torch.Tensor, ctx: dict) -> torch.Tensor:
+    if p.hazard in ("host_table", "host_table_grad"):  # a host tensor, rewritten through .data between calls
+        return h * ctx["T"].to(h.device, h.dtype)
+    if p.hazard == "host_rng":
+        return h + torch.rand(h.shape[-1]).to(h.device, h.dtype)
+    if p.hazard == "host_read":
+        return h * (1.0 + 0.0 * h.sum().item())
+    if p.hazard == "nested":
+        inner, _ = txe.scan(lambda c, _x: (c * 0.5, None), h, None, length=2)
+        return inner
+    if p.hazard == "keep":
+        _kept.append(h * 2)
     return h
 
 
@@ -181,12 +238,15 @@ class _Layer(torch.nn.Module):
             self.register_buffer("count", torch.zeros((), dtype=torch.int64))
             self.register_buffer("avg", torch.zeros(d))
         self.__dict__["ctx"] = ctx  # shared, not a submodule
+        self._k = 1.5  # private_differs gives each layer its own
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # A parameter must not be written in place (scan_layers refuses it):
         # iadd_x_slice updates a copy of the layer's vector.
         a = self.a * 1 if any(op[0] == "iadd_x_slice" for op in self.p.ops) else self.a
         h = _body(self.p, h, self.w, a, self.ctx)
+        if self.p.hazard in ("private_equal", "private_differs"):
+            h = h * self._k
         if self.p.buffers:
             self.count.add_(1)
             self.avg.mul_(0.5).add_(h.detach().float().mean(0) * 0.5)
@@ -198,12 +258,17 @@ class _Layer(torch.nn.Module):
 
 def _context(p: Program, gen: torch.Generator, device) -> dict:
     d = p.dim
-    return {
+    return _with_table({
         "W": (torch.randn(d, d, generator=gen) / math.sqrt(d)).to(p.dtype).to(device).requires_grad_(p.grad),
         "b": (torch.randn(d, generator=gen) * 0.5).to(p.dtype).to(device).requires_grad_(p.grad),
         "s": round(0.5 + torch.rand((), generator=gen).item(), 3),
         "k": round(torch.rand((), generator=gen).item() - 0.5, 3),
-    }
+    })
+
+
+def _with_table(ctx: dict) -> dict:
+    # The host_table hazard's host tensor, derived from b (no draw, so the other values of a seed stay as they were).
+    return {**ctx, "T": 0.5 + torch.sigmoid(ctx["b"].detach().float().cpu())}
 
 
 def _inputs(p: Program, gen: torch.Generator) -> tuple:
@@ -226,8 +291,21 @@ def _to(tree, device, grad: bool):
 
 
 def _ctx_to(ctx: dict, device) -> dict:
-    return {k: (v.detach().to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
+    return {k: (v.detach().to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) and k != "T"
+                else v.clone() if k == "T" else v)
             for k, v in ctx.items()}
+
+
+def _set_ctx(ctx: dict, values: dict, device) -> None:
+    """Put a round's values into the dict a step reads: new objects, except the host table.
+
+    The host table ``T`` keeps its object and is rewritten through ``.data``,
+    which moves no version counter (the "host_table" hazard).
+    """
+    new = _ctx_to(values, device)
+    if "T" in ctx:
+        ctx["T"].data.copy_(new.pop("T"))
+    ctx.update(new)
 
 
 def _loss(carry, ys, weights: torch.Tensor) -> torch.Tensor:
@@ -310,11 +388,52 @@ def _compare(what: str, got: list, want: list, p: Program, on_device: Callable[[
                                           f"the CPU: {cpu_miss})")
 
 
+def _check_refused(p: Program, device) -> None:
+    """``p``'s hazard is refused with its documented error; the host generators are left as they were."""
+    error, text = _REFUSED[p.hazard]
+    gen = torch.Generator().manual_seed(p.seed)
+    ctx = _ctx_to(_context(p, gen, "cpu"), device)
+    init, xs = _to(_inputs(p, gen), device, p.grad)
+    rng_before = (torch.random.get_rng_state(), random.getstate())
+    try:
+        if p.hazard in _LAYER_ONLY:
+            layers = torch.nn.ModuleList([_Layer(p, ctx, gen) for _ in range(p.length)]).to(p.dtype).to(device)
+            if p.hazard == "private_differs":
+                for i, layer in enumerate(layers):
+                    layer._k = 1.0 + 0.25 * i
+                if p.length == 1:
+                    return  # one layer cannot differ from itself
+            else:
+                layers[p.seed % p.length].register_forward_hook(lambda m, i, o: o * 2)
+            with pytest.raises(error, match=re.escape(text)):
+                txe.scan_layers(layers, (init["h"] if p.pytree_carry else init) * 1)
+        elif p.hazard == "create_graph":
+            with torch.enable_grad():
+                carry, ys = txe.scan(make_step(dataclasses.replace(p, hazard="none"), ctx), init, xs,
+                                     length=p.length, reverse=p.reverse)
+                loss = _loss(carry, ys, torch.ones(4096))
+                wrt = [t for t in _leaves((init, xs)) + [ctx["W"], ctx["b"]] if t.requires_grad]
+                with pytest.raises(error, match=re.escape(text)):
+                    torch.autograd.grad(loss, wrt, create_graph=True)
+        else:
+            with pytest.raises(error, match=re.escape(text)), torch.set_grad_enabled(p.grad):
+                txe.scan(make_step(p, ctx), init, xs, length=p.length, reverse=p.reverse)
+    finally:
+        _kept.clear()
+    assert torch.equal(torch.random.get_rng_state(), rng_before[0]) and random.getstate() == rng_before[1], \
+        "a refused call moved a host random generator"
+
+
 def check(p: Program, device) -> dict:
     """Run ``p`` cold, cached and with new values through scan (and scan_layers); raise on any mismatch.
 
-    Returns counters: how many plans each call built and served from the cache.
+    A refused hazard is checked first (:func:`_check_refused`), then the same
+    program without it. Returns counters: how many plans each call built and
+    served from the cache.
     """
+    if p.hazard in _REFUSED:
+        _check_refused(p, device)
+        p = dataclasses.replace(p, hazard="none")
     gen = torch.Generator().manual_seed(p.seed)
     weights = torch.randn(4096, generator=gen)
     stats = {"scan_traces": 0, "scan_hits": 0}
@@ -329,8 +448,8 @@ def check(p: Program, device) -> dict:
     step_dev, step_ref = make_step(p, ctx_dev), make_step(p, ctx_ref)
 
     def scan_round(ctx_cpu_vals, init_c, xs_c):
-        ctx_dev.update(_ctx_to(ctx_cpu_vals, device))
-        ctx_ref.update(_ctx_to(ctx_cpu_vals, "cpu"))
+        _set_ctx(ctx_dev, ctx_cpu_vals, device)
+        _set_ctx(ctx_ref, ctx_cpu_vals, "cpu")
         got = _run_scan(p, step_dev, _to(init_c, device, p.grad), _to(xs_c, device, p.grad), ctx_dev, True,
                         weights)
         ref = _run_scan(p, step_ref, _to(init_c, "cpu", p.grad), _to(xs_c, "cpu", p.grad), ctx_ref, False,
@@ -379,7 +498,7 @@ def _check_layers(p: Program, gen: torch.Generator, ctx_cpu: dict, new_ctx_cpu: 
     loop_layers = loop_layers.to(p.dtype).to(device)
     for round_ctx in (ctx_cpu, ctx_cpu, new_ctx_cpu):
         for ctx, device_of in ((ctx_dev, device), (ctx_ref, "cpu"), (ctx_loop, device)):
-            ctx.update(_ctx_to(round_ctx, device_of))
+            _set_ctx(ctx, round_ctx, device_of)
         h_cpu = torch.randn(p.batch, p.dim, generator=gen).to(p.dtype)
         got = _run_layers(p, dev_layers, h_cpu.to(device).requires_grad_(p.grad), True, weights)
         ref = _run_layers(p, cpu_layers, h_cpu.clone().requires_grad_(p.grad), False, weights)
