@@ -177,7 +177,18 @@ def shard_new(p: nn.Parameter, mesh: Any, spec: tuple, device: torch.device) -> 
     if any(s is not None for s in spec):
         mark_sharding(p, mesh, spec)
     record_applied(p, spec)
-    p.register_hook(grad_sharder(mesh, spec, p))
+    _hook_gradient(p, mesh, spec)
+
+
+def _hook_gradient(p: nn.Parameter, mesh: Any, spec: tuple) -> None:
+    """Give ``p``'s gradients its sharding: a hook, for a parameter that requires grad.
+
+    A frozen parameter (a LoRA base weight, a frozen embedding) gets none:
+    autograd refuses hooks on it, and it has no gradient. Unfrozen later, its
+    gradient still comes sharded from the gather's backward (see Gather).
+    """
+    if p.requires_grad:
+        p.register_hook(grad_sharder(mesh, spec, p))
 
 
 def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
@@ -199,7 +210,7 @@ def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
             p.copy_(annotate_sharding(p.detach(), mesh, spec))
     if applied_spec(p) is None:
         record_applied(p, spec)
-        p.register_hook(grad_sharder(mesh, spec, p))
+        _hook_gradient(p, mesh, spec)
 
 
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,86 @@
+"""Frozen parameters under fully_shard: fine-tuning a model whose base weights do not train (LoRA-style).
+
+``fully_shard`` on a module with a parameter whose ``requires_grad`` is False
+raised (autograd refuses a gradient hook on it) and left the module half
+moved. A frozen parameter is now placed and sharded like the others, gets no
+gradient and no hook, and does not move during training; the trainable ones
+train as in eager CPU training.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_ext as txe
+from torch_xla_ext.testing import measure_transfers
+
+from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import EXACT, STEPS, TRAIN_TOL, batch, loss_fn, shard_decoder, spec, tiny_decoder
+
+
+def _freeze_base(model: torch.nn.Module) -> list[str]:
+    """Freeze the embedding (tied with the head) and every block's ``up`` projection; the names frozen."""
+    frozen = []
+    for name, p in model.named_parameters():
+        if name == "embed.weight" or ".up." in name:
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+@pytest.mark.parametrize("use_scan", [True, False], ids=["scan_layers", "loop"])
+def test_frozen_base_weights_stay_put_and_the_rest_trains_like_eager(device, mesh, use_scan):
+    reference = tiny_decoder(use_scan=False)
+    frozen = _freeze_base(reference)
+    model = copy.deepcopy(reference)
+    model.use_scan = use_scan
+    shard_decoder(model, mesh)
+    assert frozen and all(not model.get_parameter(n).requires_grad for n in frozen)
+    for name, p in model.named_parameters():
+        assert p.device.type == "xla" and spec(p), name  # placed and sharded, frozen or not
+    initial = {n: model.get_parameter(n).detach().cpu().clone() for n in frozen}
+
+    (tokens, targets), (tx, gx) = batch(device, mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=0.01, foreach=False)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.01)
+    for _ in range(STEPS):
+        with measure_transfers() as m, txe.no_host_transfers():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, tx, gx)
+            loss.backward()
+            opt.step()
+            torch_xla.sync()
+        assert not m.device_to_host, m.report()
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(reference, tokens, targets)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), **TRAIN_TOL)
+        for name in frozen:
+            assert model.get_parameter(name).grad is None, name
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach().cpu(), reference.get_parameter(name).detach(), **TRAIN_TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        if name in initial:
+            torch.testing.assert_close(p.detach().cpu(), initial[name], **EXACT)
+        else:
+            assert spec(p.grad) == spec(p), name
+
+
+def test_a_parameter_frozen_before_fully_shard_can_be_unfrozen_and_trains(device, mesh):
+    reference = tiny_decoder(use_scan=False)
+    _freeze_base(reference)
+    model = shard_decoder(copy.deepcopy(reference), mesh)
+    for m in (model, reference):
+        m.layers[1].up.weight.requires_grad_(True)
+    (tokens, targets), (tx, gx) = batch(device, mesh)
+    loss_fn(model, tx, gx).backward()
+    loss_fn(reference, tokens, targets).backward()
+    got = model.layers[1].up.weight.grad
+    assert spec(got) == spec(model.layers[1].up.weight)  # sharded by the gather's backward, no hook needed
+    torch.testing.assert_close(got.cpu(), reference.layers[1].up.weight.grad, **TRAIN_TOL)
