@@ -140,13 +140,16 @@ def test_scan_decoder_layers_refuses_mixed_layer_kinds_and_unclear_stacks(device
     assert isinstance(scan_decoder_layers(two, two.b), ScannedLayers)
 
 
-def test_sdpa_with_causal_mask_moves_nothing_to_the_host(device):
-    # With a 2-D mask, HF's sdpa mask code reads it on the host; the 4-D mask is used as given.
-    cpu = _model("llama", "sdpa")
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_causal_mask_gives_the_models_own_attention_and_moves_nothing_to_the_host(device, attention):
+    # With a 2-D mask, HF's sdpa mask code reads it on the host; the 4-D mask is used as given. The
+    # reference is the model's own mask, built from the 2-D one on the CPU (eager attention adds a
+    # 4-D mask to its scores: a boolean one masked nothing there).
+    cpu = _model("llama", attention)
     model = copy.deepcopy(cpu).to(device)
     scan_decoder_layers(model)
     ids, mask = next(_batches())
-    expected = cpu(input_ids=ids, attention_mask=causal_mask(mask), use_cache=False).logits
+    expected = cpu(input_ids=ids, attention_mask=mask, use_cache=False).logits
     ids_d, mask_d = ids.to(device), mask.to(device)
     torch_xla.sync()
     with txe.no_host_transfers():
@@ -156,3 +159,44 @@ def test_sdpa_with_causal_mask_moves_nothing_to_the_host(device):
     torch.testing.assert_close(logits.cpu()[real], expected[real], rtol=1e-5, atol=1e-5)
     with pytest.raises(txe.ScanInputError, match=r"\[batch, seq\]"):
         causal_mask(mask_d[0])
+
+
+def _mistral(window: int) -> torch.nn.Module:
+    config = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, sliding_window=window, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+def test_causal_mask_keeps_a_sliding_window_past_its_length(device):
+    """A tiny Mistral (window 4) at 16 tokens with left padding: the 4-D mask gives the model's own result."""
+    model = _mistral(4)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # HF builds the windowed mask
+        windowed = model(input_ids=ids, attention_mask=causal_mask(mask, sliding_window=4), use_cache=False).logits
+        full = model(input_ids=ids, attention_mask=causal_mask(mask), use_cache=False).logits
+    rows = mask.bool()  # padded positions' logits are not meaningful
+    torch.testing.assert_close(windowed[rows], own[rows], rtol=1e-5, atol=1e-5)
+    assert (full[rows] - own[rows]).abs().max() > 1e-2  # without the window: another model
+
+    xla_model = copy.deepcopy(model).to(device)
+    scan_decoder_layers(xla_model)
+    with torch.no_grad():
+        scanned = xla_model(input_ids=ids.to(device), attention_mask=causal_mask(mask.to(device), sliding_window=4),
+                            use_cache=False).logits.cpu()
+        with pytest.raises(txe.ScanInputError, match=r"sliding_window = 4.*causal_mask\(mask, sliding_window=4\)"):
+            xla_model(input_ids=ids.to(device), attention_mask=causal_mask(mask.to(device)), use_cache=False)
+        with pytest.raises(txe.ScanInputError, match="was not built by causal_mask"):
+            xla_model(input_ids=ids.to(device), attention_mask=causal_mask(mask.to(device), 4) * True,
+                      use_cache=False)
+    torch.testing.assert_close(scanned[rows], own[rows], rtol=1e-4, atol=1e-4)
+
+
+def test_causal_mask_refuses_a_bad_window():
+    with pytest.raises(txe.ScanInputError, match="sliding_window must be a positive int"):
+        causal_mask(torch.ones(1, 4), sliding_window=0)

@@ -20,15 +20,17 @@ Refused with a clear error rather than computed differently: a KV cache
 different arguments (``config.layer_types`` mixing attention kinds).
 ``transformers`` is imported only by the functions that need it.
 
-:func:`causal_mask` builds the 4-D mask that lets ``sdpa`` attention run with
+:func:`causal_mask` builds the 4-D additive mask that lets attention run with
 padding without a device->host read (Hugging Face's mask code reads a 2-D
 mask's values on the host to decide whether it may skip it).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,11 +46,13 @@ __all__ = ["ScannedLayers", "causal_mask", "scan_decoder_layers"]
 class _Options:
     """What a scanned stack passes to ``scan_layers``, and the forward hooks that mark its owner's forward."""
 
-    def __init__(self, partition_fn: Callable | None, is_layer_pure: bool, handles: list) -> None:
+    def __init__(self, partition_fn: Callable | None, is_layer_pure: bool, handles: list,
+                 window: int | None = None) -> None:
         self.partition_fn = partition_fn
         self.is_layer_pure = is_layer_pure
         self.handles = handles
-        self.local = threading.local()  # .depth: the owner's forwards running on this thread
+        self.window = window  # the model's sliding window (see _model_window)
+        self.local = threading.local()  # .depth: the owner's forwards running; .masks: their attention_mask
 
     def active(self) -> bool:
         return getattr(self.local, "depth", 0) > 0
@@ -104,6 +108,8 @@ class _ScanCall:
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         _refuse_per_layer_state(args, kwargs)
+        masks = getattr(self._options.local, "masks", None)
+        _check_mask_window(masks[-1] if masks else None, self._options.window)
         return _scan_layers(self._layers, hidden_states, args, kwargs, self._options.partition_fn,
                             self._options.is_layer_pure)
 
@@ -228,33 +234,115 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
             f"which one scan over all layers cannot do"
         )
     owner = model.get_submodule(name.rpartition(".")[0])
-    options = _Options(partition_fn, is_layer_pure, [])
+    options = _Options(partition_fn, is_layer_pure, [], _model_window(model))
+    params = list(inspect.signature(owner.forward).parameters)  # bound method: no self
+    position = params.index("attention_mask") if "attention_mask" in params else None
 
-    def enter(*_):
+    def enter(_module, args, kwargs):
         options.local.depth = getattr(options.local, "depth", 0) + 1
+        # The mask the model was given (its layers may receive one derived from it).
+        mask = kwargs.get("attention_mask")
+        if mask is None and position is not None and position < len(args):
+            mask = args[position]
+        options.local.__dict__.setdefault("masks", []).append(mask)
 
     def leave(*_):
         options.local.depth -= 1
+        options.local.masks.pop()
 
-    options.handles += [owner.register_forward_pre_hook(enter),
+    options.handles += [owner.register_forward_pre_hook(enter, with_kwargs=True),
                         owner.register_forward_hook(leave, always_call=True)]
     stack.__class__ = ScannedLayers
     stack._txe_scan = options
     return stack
 
 
-def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The boolean ``[batch, 1, seq, seq]`` mask (True: attend) of a ``[batch, seq]`` padding mask, causal.
+#: Masks causal_mask built: id -> (weak reference, the sliding window it was built for; None: full causal).
+#: (Not a WeakKeyDictionary: its lookups compare tensors with ==, elementwise.)
+_mask_windows: dict[int, tuple[weakref.ref, int | None]] = {}
+
+
+def _remember_window(mask: torch.Tensor, window: int | None) -> None:
+    key = id(mask)
+    _mask_windows[key] = (weakref.ref(mask, lambda _ref: _mask_windows.pop(key, None)), window)
+
+
+def _window_of(mask: torch.Tensor) -> int | None | str:
+    """The window causal_mask built ``mask`` with, or ``"unknown"``."""
+    entry = _mask_windows.get(id(mask))
+    return entry[1] if entry is not None and entry[0]() is mask else "unknown"
+
+
+def causal_mask(attention_mask: torch.Tensor, sliding_window: int | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The additive ``[batch, 1, seq, seq]`` attention mask of a ``[batch, seq]`` padding mask, causal.
+
+    0 where a query may attend, ``torch.finfo(dtype).min`` where not: the
+    form Hugging Face's own 4-D masks take, which every attention
+    implementation reads the same way. (A boolean mask is right for ``sdpa``
+    but ``eager`` attention *adds* the mask to its scores: a boolean one masks
+    nothing there; measured on a tiny Llama, logits 0.47 away from the
+    model's own mask.) Pass ``dtype=model.dtype`` for a bfloat16 model
+    (``sdpa`` wants the mask in the query's dtype).
 
     Pass it as ``model(..., attention_mask=causal_mask(mask))``: Hugging Face
     models use a 4-D mask as given, so neither ``sdpa`` nor ``eager``
     attention reads the mask on the host (with a 2-D mask ``sdpa`` does, with
     no mask both do, to detect packed sequences). Built on the mask's device;
-    nothing is transferred.
+    nothing is transferred to the host.
+
+    A model with a sliding window (Mistral, Qwen2 with ``use_sliding_window``;
+    ``config.sliding_window``) uses a 4-D mask as given too, window or not:
+    pass ``sliding_window=model.config.sliding_window`` so that query ``i``
+    attends to keys ``j`` with ``i - sliding_window < j <= i``, as the model's
+    own mask does (positions counted in the padded sequence). Under
+    :func:`scan_decoder_layers`, a sliding-window model given a 4-D mask not
+    built here with its window is refused.
     """
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         raise ScanInputError("causal_mask: attention_mask must be a [batch, seq] tensor of 0/1 (1: a real token), "
                              f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ScanInputError(f"causal_mask: sliding_window must be a positive int or None, got {sliding_window!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ScanInputError(f"causal_mask: dtype must be a floating-point torch.dtype, got {dtype!r}")
     seq = attention_mask.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    if sliding_window is not None:
+        allowed = allowed.triu(-(sliding_window - 1))  # keys within the window: i - j < sliding_window
+    allowed = allowed[None, None] & attention_mask.bool()[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                     torch.finfo(dtype).min)
+    _remember_window(mask, sliding_window)
+    return mask
+
+
+def _model_window(model: torch.nn.Module) -> int | None:
+    """The sliding window the model's own masks apply to every layer (None: none)."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None  # Qwen2 keeps a window in its config but uses it only with this switch
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def _check_mask_window(mask: object, window: int | None) -> None:
+    """Refuse a 4-D mask for a sliding-window model unless causal_mask built it with that window."""
+    if window is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return  # no window, or a 2-D mask / none: the model builds its own (windowed) masks
+    built_for = _window_of(mask)
+    if built_for != window:
+        how = ("was not built by causal_mask" if built_for == "unknown"
+               else f"was built with sliding_window={built_for}")
+        raise ScanInputError(
+            f"scan_decoder_layers: the model has a sliding window (config.sliding_window = {window}) and uses a "
+            f"4-D attention mask as given, but this mask {how}: the layers would attend outside the window, "
+            f"a different result from the model's own mask. Pass causal_mask(mask, sliding_window={window}), or "
+            f"the 2-D padding mask."
+        )
