@@ -42,6 +42,9 @@ def test_demo_runs_on_default_cpu_devices():
     assert "tied weight kept: True" in out  # fully_shard section
     assert "bytes moved device->host inside the training steps: 0;" in out
     assert "every gradient sharded like its parameter: True" in out
+    # Not a terminal: one progress line per step, no carriage returns.
+    assert "\r" not in out
+    assert [n for n in re.findall(r"step (\d+)/2 ", out)] == ["1", "2"], out
     first, last = map(float, re.search(r"^loss (\S+) -> (\S+);", out, re.M).groups())
     assert last < first  # the sharded training steps do update the weights
 

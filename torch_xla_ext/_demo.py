@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -298,6 +299,7 @@ def _demo_fsdp(num_layers: int, width: int, steps: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, foreach=False)
     moved = 0
     losses: list[float] = []
+    terminal = sys.stdout.isatty()
     for step in range(steps):
         t0 = time.perf_counter()
         with measure_transfers() as m, txe.no_host_transfers():
@@ -310,9 +312,12 @@ def _demo_fsdp(num_layers: int, width: int, steps: int) -> None:
         moved += int(m.d2h_bytes)
         losses.append(loss.item())  # read after the guarded step
         done = (step + 1) * 30 // steps
-        print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}  loss {losses[-1]:.4f}  "
-              f"{time.perf_counter() - t0:.2f} s", end="", flush=True)
-    print()
+        line = (f"  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}  loss {losses[-1]:.4f}  "
+                f"{time.perf_counter() - t0:.2f} s")
+        # A progress bar redrawn in place on a terminal; one line per step in a log file or CI.
+        print("\r" + line if terminal else line, end="" if terminal else "\n", flush=True)
+    if terminal:
+        print()
     sharded = all(_sharding_spec(p.grad) == _sharding_spec(p) for p in params)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; bytes moved device->host inside the training steps: "
           f"{moved}; every gradient sharded like its parameter: {sharded}")
