@@ -9,13 +9,13 @@ no step after the second may compile.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
 import pytest
 import torch
 import torch_xla
-import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 import transformers
 
@@ -63,11 +63,6 @@ def _train_step(model, optimizer, ids, mask):
     return loss
 
 
-def _compiles() -> int:
-    data = met.metric_data("CompileTime")
-    return data[0] if data else 0
-
-
 @pytest.mark.parametrize("scanned", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_fully_sharded_training_matches_cpu_eager(kind, scanned, num_devices):
@@ -89,15 +84,12 @@ def test_fully_sharded_training_matches_cpu_eager(kind, scanned, num_devices):
         expected = _train_step(cpu, cpu_optimizer, ids, mask).item()
         ids_d, mask_d = ids.to(device), mask.to(device)
         torch_xla.sync()
-        compiles = _compiles()
-        with measure_transfers() as moved:
+        # From step 2 on nothing may compile: the recompile guard names what changed if something does.
+        with measure_transfers() as moved, (txe.no_recompiles() if step >= 2 else contextlib.nullcontext()):
             loss = _train_step(model, optimizer, ids_d, mask_d)
             torch_xla.sync()
-        compiled = _compiles() - compiles
         if step >= 1:
             assert not moved.device_to_host, (step, moved.report())
-        if step >= 2:
-            assert compiled == 0, f"step {step} compiled {compiled} graphs"
         assert loss.item() == pytest.approx(expected, rel=1e-5), step
     after = scan_cache_info()
     assert (after.traces + after.hits) - (scans.traces + scans.hits) == (STEPS if scanned else 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
+from .recompile_guard import RecompileError, no_recompiles
 from .scan import ScanInputError, ScanUnsupportedError, scan, scan_layers
 from .transfer_guard import (
     HostTransferError,
@@ -29,6 +30,7 @@ __all__ = [
     "HloParameter",
     "HostTransferError",
     "LoweringContext",
+    "RecompileError",
     "ScanInputError",
     "ScanUnsupportedError",
     "Shape",
@@ -36,6 +38,7 @@ __all__ = [
     "TransferStats",
     "measure_transfers",
     "no_host_transfers",
+    "no_recompiles",
     "read_hlo",
     "scan",
     "scan_layers",

@@ -1,4 +1,9 @@
-"""pytest plugin: ``@pytest.mark.no_host_transfers`` and the ``no_host_transfers`` fixture.
+"""pytest plugin: ``@pytest.mark.no_host_transfers`` / ``no_recompiles`` and the fixtures of the same names.
+
+``no_recompiles`` runs the test body (or, as a fixture, the rest of the test)
+under :func:`torch_xla_ext.no_recompiles`: the test fails if XLA compiled
+anything, and the report says what changed (see :mod:`torch_xla_ext.recompile_guard`).
+Warm the compiled programs up in a fixture when using the marker.
 
 Both run the test body under :func:`torch_xla_ext.no_host_transfers`: explicit
 device->host transfers of XLA tensors raise ``HostTransferError`` at the call,
@@ -35,6 +40,7 @@ from typing import Any
 import pytest
 
 _MARKER = "no_host_transfers"
+_RECOMPILE_MARKER = "no_recompiles"
 _GUARD_MODULE = "torch_xla_ext.transfer_guard"
 # pytest's assertion-rewriting helpers that repr a failed assert's operands, called
 # from the test's own frame (so inside its guard). Private to pytest: a name that is
@@ -72,6 +78,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{_MARKER}: fail the test if its body moves data from an XLA device to the host",
     )
+    config.addinivalue_line(
+        "markers",
+        f"{_RECOMPILE_MARKER}: fail the test if XLA compiles anything while its body runs",
+    )
     from _pytest.assertion import rewrite
 
     originals = {}
@@ -94,11 +104,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_call(item: pytest.Item):
     __tracebackhide__ = _host_transfer_error
-    if item.get_closest_marker(_MARKER) is None:
-        return (yield)
-    from ..transfer_guard import no_host_transfers
+    with contextlib.ExitStack() as guards:
+        if item.get_closest_marker(_RECOMPILE_MARKER) is not None:
+            from ..recompile_guard import no_recompiles
 
-    with no_host_transfers():
+            guards.enter_context(no_recompiles())
+        if item.get_closest_marker(_MARKER) is not None:
+            from ..transfer_guard import no_host_transfers
+
+            guards.enter_context(no_host_transfers())
         return (yield)
 
 
@@ -131,6 +145,15 @@ def no_host_transfers():
     """Guard the rest of the test (from this fixture's setup on) against device->host transfers."""
     __tracebackhide__ = _host_transfer_error
     from ..transfer_guard import no_host_transfers as guard
+
+    with guard():
+        yield
+
+
+@pytest.fixture(name="no_recompiles")
+def no_recompiles_fixture():
+    """Fail the rest of the test (from this fixture's setup on) if XLA compiles anything."""
+    from ..recompile_guard import no_recompiles as guard
 
     with guard():
         yield

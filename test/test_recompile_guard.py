@@ -1,0 +1,96 @@
+"""no_recompiles(): XLA compiling inside the block raises RecompileError naming the call site and what changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_ext as txe
+
+
+def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.tanh(x @ w).sum(0)
+    torch_xla.sync()
+    return out
+
+
+def _weight(device) -> torch.Tensor:
+    w = torch.randn(3, 5, device=device)
+    torch_xla.sync()  # device data from here on: the steps' graphs read it
+    return w
+
+
+def test_steady_steps_pass_and_a_new_shape_is_named(device):
+    w = _weight(device)
+    _step(torch.randn(4, 3, device=device), w)  # compiles: outside the guard
+    with txe.no_recompiles():
+        for _ in range(3):
+            _step(torch.randn(4, 3, device=device), w)  # cached
+    with pytest.raises(txe.RecompileError) as caught:
+        with txe.no_recompiles():
+            _step(torch.randn(4, 3, device=device), w)  # the site's graph is seen once, cached
+            _step(torch.randn(6, 3, device=device), w)  # a new batch size: a new program
+    message = str(caught.value)
+    assert "compiled 1 program(s)" in message and "test_recompile_guard.py" in message, message
+    # The new program's ops run on the new shape (x is drawn inside the graph, so it is no input).
+    assert "ops: before" in message and "f32[4,3]" in message and "f32[6,3]" in message, message
+
+
+def test_a_compile_without_an_earlier_graph_from_the_site_says_so(device):
+    with pytest.raises(txe.RecompileError, match="no earlier graph from this call site"):
+        with txe.no_recompiles():
+            y = torch.arange(7.0, device=device) * 3.25 - 1  # a graph never synced before
+            torch_xla.sync()
+    del y
+
+
+def test_a_compile_made_by_a_host_read_is_counted(device):
+    with pytest.raises(txe.RecompileError, match="1 more compiled outside a wrapped torch_xla.sync"):
+        with txe.no_recompiles():
+            (torch.arange(11.0, device=device) * 0.5).sum().item()  # runs, and compiles, a new graph
+
+
+def test_the_body_s_exception_propagates_unjudged(device):
+    with pytest.raises(KeyError):
+        with txe.no_recompiles():
+            torch.arange(13.0, device=device).sum().item()  # compiles
+            raise KeyError("mine")
+
+
+def test_nested_guards_each_judge_their_block(device):
+    w = _weight(device)
+    _step(torch.randn(2, 3, device=device), w)
+    with pytest.raises(txe.RecompileError) as outer:
+        with txe.no_recompiles():
+            _step(torch.randn(2, 3, device=device), w)
+            with pytest.raises(txe.RecompileError):
+                with txe.no_recompiles():
+                    _step(torch.randn(9, 3, device=device), w)
+    assert "f32[9,3]" in str(outer.value)  # the inner compile is the outer block's too
+
+
+@pytest.mark.no_recompiles
+def test_the_marker_passes_a_body_that_compiles_nothing(device):
+    torch.ones(3, device=device).sum()  # pending only; nothing is compiled
+
+
+def test_the_marker_fails_a_body_that_compiles(pytester):
+    pytester.makeconftest(
+        "import os\n"
+        "os.environ.setdefault('PJRT_DEVICE', 'CPU')\n"
+        "os.environ.setdefault('CPU_NUM_DEVICES', '8')\n"
+        "import torch_xla.runtime as xr\n"
+        "xr.use_spmd()\n"
+    )
+    pytester.makepyfile(
+        "import pytest, torch, torch_xla\n"
+        "@pytest.mark.no_recompiles\n"
+        "def test_compiles():\n"
+        "    (torch.arange(5.0, device=torch_xla.device()) + 2).sum().item()\n"
+        "def test_fixture(no_recompiles):\n"
+        "    (torch.arange(6.0, device=torch_xla.device()) + 2).sum().item()\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1, errors=1)  # the fixture's guard fails at its teardown
+    result.stdout.fnmatch_lines(["*RecompileError: XLA compiled 1 program(s) inside a no_recompiles() block*"])

@@ -1,0 +1,230 @@
+"""``no_recompiles()``: raise when XLA compiles inside a block, and say what changed.
+
+A recompile is the other silent TPU stall beside a host transfer: a shape
+that varies, a new code path, a different sharding each make torch_xla compile
+a new program (seconds on a TPU) where the step should reuse a cached one.
+The guard counts torch_xla's compilations (the ``CompileTime`` metric) over
+exactly the block; on exit it raises :class:`RecompileError` if any happened.
+
+What changed. The first guard opened in the process wraps ``torch_xla.sync``
+(``xm.mark_step`` calls it) for the rest of the process; a wrapped sync made
+inside a guarded block records where it was called (the innermost frame
+outside torch, torch_xla and this package) and the IR of the tensors it is
+about to compile (``torch_xla._XLAC._xla_tensors_report``: each pending
+tensor's graph with shapes and ops). When a sync compiles, the error compares
+that program with the one the same call site synced last under a guard, as
+multisets of inputs (shape and dtype), outputs, sharding annotations and ops
+with their output shapes, and lists what only one of them has: an input that
+grew a row, an op that appeared, a changed sharding. A compile made elsewhere (a host read such as ``.cpu()`` or
+``.item()`` that runs pending work, a ``sync`` imported by name before the
+first guard) is counted and reported without a diff. Reading the IR costs
+time proportional to the pending graphs, in guarded blocks only.
+
+Threads: torch_xla's metrics are process-wide, so a compile made by another
+thread during the block is counted too; the error says which other Python
+threads were alive. Guards nest; each judges its own block.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["RecompileError", "no_recompiles"]
+
+
+class RecompileError(RuntimeError):
+    """XLA compiled a program inside a :func:`no_recompiles` block."""
+
+
+@dataclass
+class _Compile:
+    site: str
+    count: int
+    changes: list[str] | None  # diff lines against the site's previous IR; None: no previous IR seen
+
+
+@dataclass
+class _Block:
+    start: int
+    compiles: list[_Compile] = field(default_factory=list)
+
+
+_local = threading.local()
+_lock = threading.Lock()
+_last_ir: dict[str, str] = {}  # call site -> the normalized IR it synced last under a guard
+_LAST_IR_SITES = 256
+_installed = False
+_ID = re.compile(r"^Tensor: id=\d+, ")
+
+
+def _blocks() -> list[_Block]:
+    return _local.__dict__.setdefault("blocks", [])
+
+
+def _compile_count() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return 0 if data is None else int(data[0])
+
+
+def _pending_ir() -> str:
+    """The graphs of the live tensors that a sync would compile, without tensor ids, in a stable order."""
+    import torch_xla
+
+    report = torch_xla._XLAC._xla_tensors_report(1, "")
+    blocks = [_ID.sub("Tensor: ", b.strip()) for b in report.split("\n\n\n") if b.strip()]
+    return "\n".join(sorted(blocks))
+
+
+def _user_site() -> str:
+    import torch
+    import torch_xla
+
+    library = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torch_xla))
+    library += (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    f = sys._getframe(2)
+    while f is not None:
+        if not f.f_code.co_filename.startswith(library):
+            return f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "<unknown>"
+
+
+_NODE = re.compile(r"^\s*%\d+ = (\S+) ([\w:.]+)\(.*?\)(.*)$")
+_SHARDING = re.compile(r"sharding=(\{[^}]*\})")
+
+
+def _summary(ir: str) -> collections.Counter:
+    """What a compiled program depends on, as a multiset: inputs, ops with their output shapes, shardings, outputs."""
+    items: collections.Counter = collections.Counter()
+    for line in ir.splitlines():
+        if line.startswith("Tensor: "):
+            items[("output", line.split("shape=", 1)[-1].split(",", 1)[0])] += 1
+            continue
+        node = _NODE.match(line)
+        if node is None:
+            continue
+        shape, op, rest = node.groups()
+        if op == "xla::device_data":
+            items[("input", shape)] += 1
+        else:
+            items[("op", f"{op} -> {shape}")] += 1
+        sharding = _SHARDING.search(rest)
+        if sharding is not None:
+            items[("sharding", f"{op} {shape} {sharding.group(1)}")] += 1
+    return items
+
+
+def _diff(before: str, after: str, limit: int = 12) -> list[str]:
+    """What differs between two programs' summaries, kind by kind: inputs, outputs, shardings, then ops."""
+    old, new = _summary(before), _summary(after)
+    lines = []
+    for kind in ("input", "output", "sharding", "op"):
+        gone = sorted((v, n) for (k, v), n in (old - new).items() if k == kind)
+        came = sorted((v, n) for (k, v), n in (new - old).items() if k == kind)
+        if gone or came:
+            show = lambda items: ", ".join(f"{v}" + (f" (x{n})" if n > 1 else "") for v, n in items) or "-"
+            lines.append(f"{kind}s: before {show(gone)}; now {show(came)}")
+    if not lines and before != after:
+        lines.append("the same inputs, ops and shapes, in another arrangement (the dataflow changed)")
+    return lines[:limit]
+
+
+def _install() -> None:
+    """Wrap ``torch_xla.sync`` once per process (see the module doc)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import torch_xla
+
+        original = torch_xla.sync
+
+        def sync(*args, **kwargs):
+            blocks = _blocks()
+            if not blocks or getattr(_local, "syncing", False):
+                return original(*args, **kwargs)
+            site = _user_site()
+            ir = _pending_ir()
+            before = _compile_count()
+            _local.syncing = True
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                _local.syncing = False
+            compiled = _compile_count() - before
+            with _lock:
+                previous = _last_ir.get(site)
+                if len(_last_ir) >= _LAST_IR_SITES and site not in _last_ir:
+                    _last_ir.pop(next(iter(_last_ir)))
+                _last_ir[site] = ir
+            if compiled:
+                blocks[-1].compiles.append(_Compile(site, compiled, None if previous is None
+                                                    else _diff(previous, ir)))
+            return result
+
+        sync.__wrapped__ = original  # type: ignore[attr-defined]
+        torch_xla.sync = sync
+        _installed = True
+
+
+def _report(block: _Block, total: int) -> str:
+    lines = [f"XLA compiled {total} program(s) inside a no_recompiles() block:"]
+    seen = 0
+    for c in block.compiles:
+        seen += c.count
+        lines.append(f"  torch_xla.sync() at {c.site} compiled {c.count}")
+        if c.changes is None:
+            lines.append("    (no earlier graph from this call site was seen under a guard: open the guard one "
+                         "step earlier to see what changed)")
+        elif not c.changes:
+            lines.append("    the pending graph is the same as this call site's last one; what differs is "
+                         "outside it (input shardings or layouts, or a graph cached out)")
+        else:
+            lines.append("    what changed against this call site's last graph (what only it had; what only the "
+                         "new one has):")
+            lines += [f"      {line}" for line in c.changes]
+    if total > seen:
+        lines.append(f"  {total - seen} more compiled outside a wrapped torch_xla.sync(): a host read (.cpu(), "
+                     f".item(), print) that runs pending work, or a sync imported by name before the first guard")
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()]
+    if others:
+        lines.append(f"  (torch_xla counts compiles per process: other threads alive: {', '.join(others[:5])})")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def no_recompiles() -> Iterator[None]:
+    """Raise :class:`RecompileError` on exit if XLA compiled anything inside the block.
+
+    Warm up outside the block (the first step compiles by design), then
+    guard the steps that must reuse it::
+
+        step(); step()                      # compiles, and caches
+        with txe.no_recompiles():
+            for _ in range(10): step()      # raises if any step compiles, naming what changed
+
+    Nothing is executed or transferred by the guard itself. An exception from
+    the body propagates unchanged (the block is not judged).
+    """
+    _install()
+    block = _Block(_compile_count())
+    blocks = _blocks()
+    blocks.append(block)
+    try:
+        yield
+    finally:
+        blocks.remove(block)
+    total = _compile_count() - block.start
+    if total:
+        if blocks:  # an enclosing guard sees these compiles too, with their causes
+            blocks[-1].compiles.extend(block.compiles)
+        raise RecompileError(_report(block, total))
