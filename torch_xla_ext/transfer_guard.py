@@ -168,6 +168,8 @@ class _Frame:
     children: list[tuple[Snapshot, Snapshot]] = dataclasses.field(default_factory=list)
     # Other threads alive when the block opened: ident -> name.
     others: dict[int, str] = dataclasses.field(default_factory=dict)
+    # Explicit device->host calls of this block already warned about in "log" mode (one transfer each).
+    logged: int = 0
 
     def effective(self, direction: str) -> str:
         """The mode of the innermost frame that sets one for ``direction``; "allow" when none does."""
@@ -222,6 +224,8 @@ def _on_explicit_transfer(direction: str, op: str, tensor: torch.Tensor | None) 
     )
     if mode == "disallow":
         raise HostTransferError(message)
+    if direction == D2H:
+        frame.logged += 1  # the block's metric report leaves this transfer out
     warnings.warn(message, stacklevel=4)
 
 
@@ -299,6 +303,9 @@ def _judge(frame: _Frame, end: Snapshot) -> None:
     problems: list[tuple[str, str]] = []
     notes: list[str] = []
     attribution: Attribution | None = None
+    if d2h_mode == "log" and own.device_to_host and own.d2h_transfers <= frame.logged:
+        own = dataclasses.replace(own, d2h_transfers=0, d2h_bytes=0, d2h_time_ns=0, replicate_sharded_data=0,
+                                  to_cpu=0, local_scalar_dense=0)  # each one was warned about at its call
     if d2h_mode != "allow" and own.device_to_host:
         attribution = attribute(frame.start, end, frame.children)
         report = _d2h_report(own, attribution)
