@@ -97,3 +97,12 @@ def test_entry_lookup_and_missing_entry():
     dup = computation("c", 1, 1, [instruction(f"p{n}", "parameter", 1, shape(F32, [n + 1]), param=n) for n in (1, 0)])
     params = read_hlo(module("m", "c", 1, [dup])).entry_parameters
     assert [(p.number, p.name, p.shape) for p in params] == [(0, "p0", (1,)), (1, "p1", (2,))]
+
+
+def test_the_summary_clips_very_long_names():
+    """A module saved elsewhere may carry megabyte-long names: the report shows their ends and their length."""
+    long_param, long_module = "p" * 5_000_000, "m" * 3_000
+    comp = computation("c", 7, 1, [instruction(long_param, "parameter", 1, shape(F32, [2]), param=0)])
+    text = read_hlo(module(long_module, "c", 7, [comp])).summary()
+    assert len(text) < 2_000, len(text)
+    assert "(5000000 chars)" in text and "(3000 chars)" in text

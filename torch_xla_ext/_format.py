@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "parse_tiled_spec"]
+__all__ = ["clip", "format_bytes", "parse_tiled_spec"]
 
 
 def format_bytes(n: float) -> str:
@@ -15,6 +15,15 @@ def format_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def clip(text: str, limit: int = 120) -> str:
+    """``text``, or its head and tail around ``... (N chars) ...`` when longer than ``limit`` (names in reports)."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 30, 10)
+    head, tail = keep * 2 // 3, keep - keep * 2 // 3
+    return f"{text[:head]}...({len(text)} chars)...{text[len(text) - tail:]}"
 
 
 _TILED = re.compile(r"\{devices=\[([\d,]+)\]([^ }]*)( last_tile_dim_replicate)?\}")

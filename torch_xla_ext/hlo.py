@@ -18,7 +18,7 @@ import functools
 from typing import Iterable, Sequence
 
 from . import _C
-from ._format import format_bytes
+from ._format import clip, format_bytes
 from ._hlo_records import (
     Collective,
     HloComputation,
@@ -53,6 +53,7 @@ HloParseError = _C.HloParseError
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    rows = [[clip(c) for c in r] for r in rows]  # a module from elsewhere may carry megabyte-long names
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for r in rows:
@@ -224,8 +225,8 @@ class HloModule:
         """A human-readable report: parameters, collectives, host transfers, loops, constants."""
         entry = self.computations[self._entry_index].name if self._entry_index >= 0 else "<missing>"
         lines = [
-            f"HloModule {self.name}: {len(self.computations)} computations, "
-            f"{self.num_instructions} instructions, entry {entry}"
+            f"HloModule {clip(self.name)}: {len(self.computations)} computations, "
+            f"{self.num_instructions} instructions, entry {clip(entry)}"
         ]
         params = self.entry_parameters if self._entry_index >= 0 else []
         lines.append(f"Parameters ({len(params)}):")
