@@ -192,3 +192,43 @@ def test_causal_mask_keeps_a_sliding_window_past_its_length(device):
 def test_causal_mask_refuses_a_bad_window():
     with pytest.raises(txe.ScanInputError, match="sliding_window must be a positive int"):
         causal_mask(torch.ones(1, 4), sliding_window=0)
+
+
+def _stacked_per_layer(model: torch.nn.Module) -> int:
+    """How many activations the forward loop of the model's (one) scanned plan stacks for the backward."""
+    from torch_xla_ext._scan import cache
+    from torch_xla_ext._scan.layers import _layer_steps
+
+    (step,) = _layer_steps[model.model.layers[0]].values()
+    (plan,) = [p for p in cache._cache[step].values() if p.grad is not None]
+    return plan.grad.num_stacked
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("switch", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
+def test_activation_checkpointing_recomputes_the_scanned_layers(device, switch):
+    cpu = _model("llama").train()
+    plain, checkpointed = (copy.deepcopy(cpu).to(device) for _ in range(2))
+    for model in (plain, checkpointed):
+        scan_decoder_layers(model)
+    # transformers 5 names the switch activation_checkpointing_enable (gradient_checkpointing_enable: its alias)
+    getattr(checkpointed, switch)()
+    ids, mask = next(_batches())
+    ids_d, mask_d = ids.to(device), causal_mask(mask.to(device))
+    losses, grads = [], []
+    for model in (plain, checkpointed):
+        loss = model(input_ids=ids_d, attention_mask=mask_d, labels=ids_d, use_cache=False).loss
+        loss.backward()
+        torch_xla.sync()  # one program for the loss and every gradient
+        losses.append(loss.detach().cpu())
+        grads.append([p.grad.cpu() for p in model.parameters()])
+    ref = cpu(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+    ref.backward()
+    torch.testing.assert_close(losses[0], ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, _), a, b, c in zip(cpu.named_parameters(), grads[0], grads[1], cpu.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(a, c.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    # Checkpointing stacks only each layer's input; the plain scan keeps the activations.
+    assert _stacked_per_layer(checkpointed) < _stacked_per_layer(plain)
+    assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)  # the switch is left on

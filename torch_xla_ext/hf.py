@@ -14,6 +14,15 @@ first layer (the mask, the rotary ``position_embeddings``, ...) to all of them.
 Everywhere else (``fully_shard`` per layer, ``model.model.layers[3]``, an
 optimizer, a checkpoint) the list is the usual ``nn.ModuleList``.
 
+``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable``
+before transformers 5) makes the scan recompute each layer in the backward
+from its input (``remat.nothing_saveable``, unless ``partition_fn`` chose
+another policy; with ``every_n_layers > 1`` every scanned layer is
+recomputed, since one loop has one policy, and ``offload`` is not applied).
+Hugging Face's own checkpointing, ``torch.utils.checkpoint``, fails on the XLA
+device with or without scan (it looks up a ``torch.xla`` device module that
+torch_xla 2.9 does not register).
+
 Refused with a clear error rather than computed differently: a KV cache
 (``use_cache=True``, ``past_key_values``), requests for every layer's output
 (``output_hidden_states``, ``output_attentions``), and models whose layers get
@@ -39,6 +48,7 @@ import torch
 from ._scan.errors import ScanInputError
 from ._scan.homogeneous import allow_hooks
 from ._scan.layers import _scan_layers
+from .remat import nothing_saveable
 
 __all__ = ["ScannedLayers", "causal_mask", "scan_decoder_layers"]
 
@@ -110,8 +120,22 @@ class _ScanCall:
         _refuse_per_layer_state(args, kwargs)
         masks = getattr(self._options.local, "masks", None)
         _check_mask_window(masks[-1] if masks else None, self._options.window)
-        return _scan_layers(self._layers, hidden_states, args, kwargs, self._options.partition_fn,
-                            self._options.is_layer_pure)
+        partition_fn = self._options.partition_fn
+        checkpointing = [layer for layer in self._layers
+                         if layer.training and getattr(layer, "gradient_checkpointing", False) is True]
+        if not checkpointing:
+            return _scan_layers(self._layers, hidden_states, args, kwargs, partition_fn, self._options.is_layer_pure)
+        # model.gradient_checkpointing_enable(): each layer recomputed in the backward from its input,
+        # which is what remat.nothing_saveable does for the scanned loop (unless the user chose a
+        # partition_fn). torch.utils.checkpoint itself cannot run on XLA (it looks up torch.xla).
+        for layer in checkpointing:
+            layer.gradient_checkpointing = False
+        try:
+            return _scan_layers(self._layers, hidden_states, args, kwargs, partition_fn or nothing_saveable,
+                                self._options.is_layer_pure)
+        finally:
+            for layer in checkpointing:
+                layer.gradient_checkpointing = True
 
     def __getattr__(self, name: str) -> Any:
         # The owner's loop reads an attribute of the layer it holds (an attention
