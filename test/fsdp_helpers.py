@@ -85,25 +85,31 @@ def train_like_eager(model: models.Decoder, reference: models.Decoder, device, m
     opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     for _ in range(STEPS):
-        with measure_transfers() as m:
-            with txe.no_host_transfers():
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model, tx, gx)
-                loss.backward()
-                opt.step()
-                torch_xla.sync()
-        assert not m.device_to_host, m.report()
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(reference, tokens, targets)
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), **TRAIN_TOL)
+        step_like_eager(model, opt, (tx, gx), reference, ref_opt, (tokens, targets))
         for name, p in model.named_parameters():
             expected = FSDP8 if p.dim() == 2 else FSDP8_1D
             assert spec(p) == expected, name
             assert spec(p.grad) == spec(p), name
     for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.cpu(), r.detach(), **TRAIN_TOL, msg=name)
+
+
+def step_like_eager(model: nn.Module, opt, device_batch: tuple, reference: nn.Module, ref_opt,
+                    cpu_batch: tuple) -> None:
+    """One optimizer step of the sharded model (moving nothing to the host) and of the CPU reference; equal losses."""
+    with measure_transfers() as m:
+        with txe.no_host_transfers():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, *device_batch)
+            loss.backward()
+            opt.step()
+            torch_xla.sync()
+    assert not m.device_to_host, m.report()
+    ref_opt.zero_grad()
+    ref_loss = loss_fn(reference, *cpu_batch)
+    ref_loss.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), **TRAIN_TOL)
 
 
 def assert_bookkeeping(model: nn.Module) -> None:

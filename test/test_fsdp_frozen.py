@@ -13,13 +13,9 @@ import copy
 
 import pytest
 import torch
-import torch_xla
-
-import torch_xla_ext as txe
-from torch_xla_ext.testing import measure_transfers
 
 from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
-from fsdp_helpers import EXACT, STEPS, TRAIN_TOL, batch, loss_fn, shard_decoder, spec, tiny_decoder
+from fsdp_helpers import EXACT, STEPS, TRAIN_TOL, batch, loss_fn, shard_decoder, spec, step_like_eager, tiny_decoder
 
 
 def _freeze_base(model: torch.nn.Module) -> list[str]:
@@ -49,18 +45,7 @@ def test_frozen_base_weights_stay_put_and_the_rest_trains_like_eager(device, mes
     opt = torch.optim.AdamW(trainable, lr=0.01, foreach=False)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.01)
     for _ in range(STEPS):
-        with measure_transfers() as m, txe.no_host_transfers():
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model, tx, gx)
-            loss.backward()
-            opt.step()
-            torch_xla.sync()
-        assert not m.device_to_host, m.report()
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(reference, tokens, targets)
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), **TRAIN_TOL)
+        step_like_eager(model, opt, (tx, gx), reference, ref_opt, (tokens, targets))
         for name in frozen:
             assert model.get_parameter(name).grad is None, name
     for name, p in model.named_parameters():
