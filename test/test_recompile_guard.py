@@ -16,7 +16,7 @@ def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _weight(device) -> torch.Tensor:
-    w = torch.randn(3, 5, device=device)
+    w = torch.randn(3, 5, device=device)  # with x of 4, 6, 2 or 9 rows: shapes no other test compiles
     torch_xla.sync()  # device data from here on: the steps' graphs read it
     return w
 
@@ -40,7 +40,7 @@ def test_steady_steps_pass_and_a_new_shape_is_named(device):
 def test_a_compile_without_an_earlier_graph_from_the_site_says_so(device):
     with pytest.raises(txe.RecompileError, match="no earlier graph from this call site"):
         with txe.no_recompiles():
-            y = torch.arange(7.0, device=device) * 3.25 - 1  # a graph never synced before
+            y = torch.arange(7001.0, device=device) * 3.25 - 1  # a shape no other test compiles
             torch_xla.sync()
     del y
 
@@ -48,7 +48,7 @@ def test_a_compile_without_an_earlier_graph_from_the_site_says_so(device):
 def test_a_compile_made_by_a_host_read_is_counted(device):
     with pytest.raises(txe.RecompileError, match="1 more compiled outside a wrapped torch_xla.sync"):
         with txe.no_recompiles():
-            (torch.arange(11.0, device=device) * 0.5).sum().item()  # runs, and compiles, a new graph
+            (torch.arange(7013.0, device=device) * 0.5).sum().item()  # runs, and compiles, a new graph
 
 
 def test_the_body_s_exception_propagates_unjudged(device):
