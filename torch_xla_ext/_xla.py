@@ -6,12 +6,16 @@ imported before the user has chosen the PJRT device and SPMD mode.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["xlac", "xla_builder", "torch_xla_device"]
+__all__ = ["xlac", "xla_builder", "torch_xla_device", "redirected_mark_sharding"]
 
 
 def xlac() -> Any:
@@ -33,3 +37,53 @@ def torch_xla_device() -> torch.device:
     import torch_xla
 
     return torch_xla.device()
+
+
+_redirects = threading.local()
+_redirect_lock = threading.Lock()
+_redirect_installed = False
+
+
+def _install_mark_sharding_redirect() -> None:
+    """Replace ``xs.mark_sharding`` once per process by a function that honours this thread's redirects.
+
+    With no redirect open on the calling thread it calls torch_xla's own
+    function with the same arguments, so other threads and calls outside a
+    redirect see no difference. (Code that imported the function by name
+    before this ran keeps torch_xla's own.)
+    """
+    global _redirect_installed
+    with _redirect_lock:
+        if _redirect_installed:
+            return
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+
+        original = xla_sharding.mark_sharding
+
+        @functools.wraps(original)
+        def mark_sharding(*args: Any, **kwargs: Any) -> Any:
+            handlers = getattr(_redirects, "handlers", None)
+            if handlers:
+                return handlers[-1](original, *args, **kwargs)
+            return original(*args, **kwargs)
+
+        xs.mark_sharding = xla_sharding.mark_sharding = mark_sharding
+        _redirect_installed = True
+
+
+@contextlib.contextmanager
+def redirected_mark_sharding(handler: Callable[..., Any]) -> Iterator[None]:
+    """While open, this thread's ``xs.mark_sharding(...)`` calls ``handler(torch_xla_function, ...)``.
+
+    Scoped to the thread: the process-wide function is replaced once, and
+    dispatches per thread, so a trace in one thread never changes what
+    ``mark_sharding`` does in another.
+    """
+    _install_mark_sharding_redirect()
+    handlers = _redirects.__dict__.setdefault("handlers", [])
+    handlers.append(handler)
+    try:
+        yield
+    finally:
+        handlers.pop()

@@ -10,7 +10,6 @@ tensors.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,7 +17,7 @@ import torch
 
 from .._annotate import behind_barrier, regather_mark, scan_autograd_trace
 from .._partitionable import partitionable_ops
-from .._xla import torch_xla_device
+from .._xla import redirected_mark_sharding, torch_xla_device
 from .errors import ScanUnsupportedError
 from .lift import Lifter
 from .loop import _Loop, _lower, _run
@@ -30,33 +29,26 @@ def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-@contextlib.contextmanager
 def _traceable_mark_sharding(lifter: Lifter):
-    """Make ``xs.mark_sharding`` inside fn work while AOTAutograd traces it.
+    """Make ``xs.mark_sharding`` inside fn work while AOTAutograd traces it (on this thread only).
 
     The plain annotation cannot apply to the fake tensors of a trace. While
     tracing, ``torch_xla.distributed.spmd.mark_sharding`` on a fake tensor
     records torch_xla's traceable sharding op (which also shards the
     gradient) and later uses of the tensor read the annotated value.
     """
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.distributed.spmd.xla_sharding as xla_sharding
     from torch._subclasses.fake_tensor import is_fake
 
-    original = xla_sharding.mark_sharding
-
-    def mark_sharding(t, mesh, partition_spec):
+    def mark_sharding(original, t, mesh, partition_spec, *args, **kwargs):
         if not isinstance(t, torch.Tensor) or not is_fake(t):
-            return original(t, mesh, partition_spec)
+            return original(t, mesh, partition_spec, *args, **kwargs)
+        import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+
         annotated = xla_sharding.MarkShardingFunction.apply(lifter.resolve(t), mesh, partition_spec)
         lifter.alias(t, annotated)
         return annotated
 
-    xs.mark_sharding = xla_sharding.mark_sharding = mark_sharding
-    try:
-        yield
-    finally:
-        xs.mark_sharding = xla_sharding.mark_sharding = original
+    return redirected_mark_sharding(mark_sharding)
 
 
 class _Stacked(NamedTuple):
