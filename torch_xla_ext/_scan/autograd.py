@@ -10,7 +10,8 @@ tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -49,6 +50,52 @@ def _traceable_mark_sharding(lifter: Lifter):
         return annotated
 
     return redirected_mark_sharding(mark_sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Primals:
+    """Positions in the autograd graphs' primal inputs ``*carry, *x, *outside``.
+
+    The same order indexes ``grad_mask``, ``reach``, the backward graph's
+    gradients and the shardings :class:`_ScanFunction` keeps. The graphs'
+    outputs are ``*carry, *y`` (:meth:`y` gives a y's position there).
+    """
+
+    n_c: int
+    n_x: int
+    n_o: int
+
+    def x(self, j: int) -> int:
+        return self.n_c + j
+
+    def outside(self, k: int) -> int:
+        return self.n_c + self.n_x + k
+
+    def y(self, j: int) -> int:
+        """Position of y ``j`` among the outputs ``*carry, *y``."""
+        return self.n_c + j
+
+    def split(self, flat: Sequence[Any]) -> tuple[list, list, list]:
+        """``(carry, x, outside)`` of a sequence laid out as the primals."""
+        flat = list(flat)
+        return flat[:self.n_c], flat[self.n_c:self.outside(0)], flat[self.outside(0):]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedLayout:
+    """What the backward reads besides its carry: ``*stacked, *aliased x slices, *rest``.
+
+    ``rest`` is the stacked ys' gradients in the backward loop's xs, and the
+    outside tensors in what the autograd function saves.
+    """
+
+    num_stacked: int
+    num_aliased: int
+
+    def split(self, flat: Sequence[Any]) -> tuple[list, list, list]:
+        flat = list(flat)
+        a, b = self.num_stacked, self.num_stacked + self.num_aliased
+        return flat[:a], flat[a:b], flat[b:]
 
 
 class _Stacked(NamedTuple):
@@ -90,15 +137,15 @@ def _decompositions() -> dict:
     return get_decompositions([torch.ops.aten.native_dropout])
 
 
-def _input_source(node, placeholders: list, n_c: int, n_x: int) -> _Input | None:
+def _input_source(node, placeholders: list, primals: _Primals) -> _Input | None:
     """The :class:`_Input` ``node`` is, when it is an x or outside input of the forward graph."""
     if node not in placeholders:
         return None
     pos = placeholders.index(node)
-    if n_c <= pos < n_c + n_x:
-        return _Input("x", pos - n_c)
-    if pos >= n_c + n_x:
-        return _Input("outside", pos - n_c - n_x)
+    if primals.x(0) <= pos < primals.outside(0):
+        return _Input("x", pos - primals.x(0))
+    if pos >= primals.outside(0):
+        return _Input("outside", pos - primals.outside(0))
     return None
 
 
@@ -175,6 +222,7 @@ class _GradPlan:
         from functorch.compile import aot_function, default_partition, make_boxed_func
 
         self.n_c, self.n_x, self.n_o = len(carry), len(x), len(outside)
+        self.primals = primals = _Primals(self.n_c, self.n_x, self.n_o)
         self.length, self.reverse = length, reverse
         self.outside_sig: list[Sig] = [_signature(t) for t in outside]
         captured: dict[str, torch.fx.GraphModule] = {}
@@ -186,15 +234,14 @@ class _GradPlan:
 
             return compiler
 
-        n_c, n_x = self.n_c, self.n_x
-
         def primal_fn(*args):
             # AOTAutograd would turn a write into an input into an extra leading
             # output; the step writes into copies instead.
-            own = [a.clone() if k in mutated else a for k, a in enumerate(args[:n_c + n_x])]
-            lifter = Lifter([*args, *own], None, fixed=list(zip(outside, args[n_c + n_x:])))
+            carry_in, x_in, outside_in = primals.split(args)
+            own = [a.clone() if k in mutated else a for k, a in enumerate(carry_in + x_in)]
+            lifter = Lifter([*args, *own], None, fixed=list(zip(outside, outside_in)))
             with partitionable_ops(), lifter, _traceable_mark_sharding(lifter):
-                carry_out, ys = step(own[:n_c], own[n_c:])
+                carry_out, ys = step(own[:primals.n_c], own[primals.n_c:])
             carry_out = [lifter.resolve(o) for o in carry_out]
             ys = [lifter.resolve(o) for o in ys]
             ins = {id(a) for a in args}
@@ -217,7 +264,7 @@ class _GradPlan:
             diff = [o for o in outs if o.requires_grad]
             if diff:
                 torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
-        self.num_y = len(outs) - n_c
+        self.num_y = len(outs) - primals.n_c
         self.fw = captured["fw"]
         self.bw = captured.get("bw")
         self.grad_mask = [a.requires_grad for a in args]
@@ -229,9 +276,9 @@ class _GradPlan:
         self.saved_src: list[_Saved] = []
         stacked = 0
         for node in saved_nodes:
-            source = _input_source(node, placeholders, n_c, n_x)
+            source = _input_source(node, placeholders, primals)
             chain = _recompute_chain(node, placeholders) if source is None else None
-            base = _input_source(chain[0], placeholders, n_c, n_x) if chain is not None else None
+            base = _input_source(chain[0], placeholders, primals) if chain is not None else None
             if source is not None:
                 self.saved_src.append(source)
             elif base is not None:
@@ -241,6 +288,7 @@ class _GradPlan:
                 stacked += 1
         self.num_stacked = stacked
         self.x_aliased = sorted({read.index for read in self._input_reads() if read.kind == "x"})
+        self.saved_layout = _SavedLayout(stacked, len(self.x_aliased))
         self.carry_sig, self.x_sig = carry, x
         self.fwd_loop = _lower(_trace(self._forward_step, carry, x, self.outside_sig), length, reverse,
                                "scan_forward")
@@ -260,15 +308,21 @@ class _GradPlan:
         stacked = [saved[i] for i, src in enumerate(self.saved_src) if isinstance(src, _Stacked)]
         return result[:self.n_c], result[self.n_c:n_out] + stacked
 
+    def _float_carry(self) -> list[int]:
+        """The carry leaves the backward carries a gradient for (floating point)."""
+        return [i for i in range(self.n_c) if _is_float_dtype(self.carry_sig[i][1])]
+
+    def _grad_outside(self) -> list[int]:
+        """The outside tensors whose gradients the backward accumulates in its carry."""
+        return [k for k in range(self.n_o) if self.grad_mask[self.primals.outside(k)]]
+
     def _backward_step(self, carry, x, outside):
-        n_c, n_x = self.n_c, self.n_x
-        float_carry = [i for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
-        grad_outside = [k for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+        primals = self.primals
+        float_carry, grad_outside = self._float_carry(), self._grad_outside()
         g = dict(zip(float_carry, carry[:len(float_carry)]))
         acc = carry[len(float_carry):]
-        stacked = x[:self.num_stacked]
-        x_slices = dict(zip(self.x_aliased, x[self.num_stacked:self.num_stacked + len(self.x_aliased)]))
-        gy = x[self.num_stacked + len(self.x_aliased):]
+        stacked, aliased, gy = self.saved_layout.split(x)
+        x_slices = dict(zip(self.x_aliased, aliased))
         def read(src: _Stacked | _Input) -> torch.Tensor:
             if isinstance(src, _Stacked):
                 return stacked[src.index]
@@ -276,8 +330,8 @@ class _GradPlan:
 
         saved = [_replay(read(src.base), src.ops, barrier=src.barrier) if isinstance(src, _Recompute) else read(src)
                  for src in self.saved_src]
-        tangents = [g[i] for i in range(n_c) if self.tangent_mask[i]]
-        tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[n_c + j]]
+        tangents = [g[i] for i in range(self.n_c) if self.tangent_mask[i]]
+        tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[primals.y(j)]]
         grads = list(self.bw(*saved, *tangents))
 
         def grad_or_zeros(pos: int, sig: Sig) -> torch.Tensor:
@@ -286,15 +340,14 @@ class _GradPlan:
                                                                if carry else x[0].device)
 
         new_g = [grad_or_zeros(i, self.carry_sig[i]) for i in float_carry]
-        new_acc = [a + grad_or_zeros(n_c + n_x + k, self.outside_sig[k]) for a, k in zip(acc, grad_outside)]
-        gx = [grad_or_zeros(n_c + j, self.x_sig[j]) for j in range(n_x) if self.grad_mask[n_c + j]]
+        new_acc = [a + grad_or_zeros(primals.outside(k), self.outside_sig[k]) for a, k in zip(acc, grad_outside)]
+        gx = [grad_or_zeros(primals.x(j), self.x_sig[j]) for j in range(self.n_x) if self.grad_mask[primals.x(j)]]
         return new_g + new_acc, gx
 
     def backward_loop(self) -> _Loop:
         if self._bwd_loop is None:
-            n_c, n_x = self.n_c, self.n_x
-            carry = [self.carry_sig[i] for i in range(n_c) if _is_float_dtype(self.carry_sig[i][1])]
-            carry += [self.outside_sig[k] for k in range(self.n_o) if self.grad_mask[n_c + n_x + k]]
+            carry = [self.carry_sig[i] for i in self._float_carry()]
+            carry += [self.outside_sig[k] for k in self._grad_outside()]
             xs = list(self.saved_sig) + [self.x_sig[j] for j in self.x_aliased] + list(self.y_sig)
             self._bwd_loop = _lower(_trace(self._backward_step, carry, xs, self.outside_sig), self.length,
                                     not self.reverse, "scan_backward")
@@ -336,19 +389,18 @@ def _reached(plan: "_GradPlan", used: list[bool]) -> tuple[set[int], set[int], s
     the last iteration, a carry input is reached when an output that is used
     (a y, or a carry component reached in the iteration after) depends on it.
     """
-    n_c, n_x = plan.n_c, plan.n_x
-    reach = plan.reach
-    ys_used = {n_c + j for j in range(plan.num_y) if used[n_c + j]}
-    live = {i for i in range(n_c) if used[i]}
+    primals, reach = plan.primals, plan.reach
+    ys_used = {primals.y(j) for j in range(plan.num_y) if used[primals.y(j)]}
+    live = {i for i in range(plan.n_c) if used[i]}
     x_hit: set[int] = set()
     outside_hit: set[int] = set()
     states: list[frozenset[int]] = [frozenset(live)]  # states[t]: live carry after t iterations back
     first: dict[frozenset[int], int] = {states[0]: 0}
     for t in range(1, plan.length + 1):
         targets = states[-1] | ys_used
-        x_hit |= {j for j in range(n_x) if reach[n_c + j] & targets}
-        outside_hit |= {k for k in range(plan.n_o) if reach[n_c + n_x + k] & targets}
-        state = frozenset(i for i in range(n_c) if reach[i] & targets)
+        x_hit |= {j for j in range(plan.n_x) if reach[primals.x(j)] & targets}
+        outside_hit |= {k for k in range(plan.n_o) if reach[primals.outside(k)] & targets}
+        state = frozenset(i for i in range(plan.n_c) if reach[i] & targets)
         if state in first:
             # The states cycle from here on: every x / outside they reach is
             # already counted, and the carry after `length` steps is known.
@@ -364,8 +416,7 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _GradPlan, *flat: torch.Tensor):
-        n_c, n_x = plan.n_c, plan.n_x
-        init, xs, outside = list(flat[:n_c]), list(flat[n_c:n_c + n_x]), list(flat[n_c + n_x:])
+        init, xs, outside = plan.primals.split(flat)
         with torch.no_grad():
             carry, ys_all = _run(plan.fwd_loop, init, xs, plan.length, outside)
         ys, stacked = ys_all[:plan.num_y], ys_all[plan.num_y:]
@@ -391,31 +442,28 @@ class _ScanFunction(torch.autograd.Function):
                 "create_graph."
             )
         plan: _GradPlan = ctx.plan
-        n_c, n_x = plan.n_c, plan.n_x
-        saved = list(ctx.saved_tensors)
-        n_s, n_a = plan.num_stacked, len(plan.x_aliased)
-        stacked, aliased_xs, outside = saved[:n_s], saved[n_s:n_s + n_a], saved[n_s + n_a:]
+        primals = plan.primals
+        stacked, aliased_xs, outside = plan.saved_layout.split(ctx.saved_tensors)
         device = torch_xla_device()
 
         def or_zeros(g, sig):
             return g if g is not None else torch.zeros(sig[0], dtype=sig[1], device=device)
 
-        float_carry = [i for i in range(n_c) if _is_float_dtype(plan.carry_sig[i][1])]
-        grad_outside = [k for k in range(plan.n_o) if plan.grad_mask[n_c + n_x + k]]
+        float_carry, grad_outside = plan._float_carry(), plan._grad_outside()
         init = [or_zeros(grads[i], plan.carry_sig[i]) for i in float_carry]
         init += [or_zeros(None, plan.outside_sig[k]) for k in grad_outside]
-        gys = [or_zeros(grads[n_c + j], ((plan.length, *plan.y_sig[j][0]), plan.y_sig[j][1]))
+        gys = [or_zeros(grads[primals.y(j)], ((plan.length, *plan.y_sig[j][0]), plan.y_sig[j][1]))
                for j in range(plan.num_y)]
         with torch.no_grad():
             carry, gxs = _run(plan.backward_loop(), init, stacked + aliased_xs + gys, plan.length, outside)
-        grad_init: list[torch.Tensor | None] = [None] * n_c
+        grad_init: list[torch.Tensor | None] = [None] * plan.n_c
         for i, g in zip(float_carry, carry[:len(float_carry)]):
             grad_init[i] = g
         grad_outside_vals: list[torch.Tensor | None] = [None] * plan.n_o
         for k, g in zip(grad_outside, carry[len(float_carry):]):
             grad_outside_vals[k] = g
-        grad_xs: list[torch.Tensor | None] = [None] * n_x
-        for j, g in zip([j for j in range(n_x) if plan.grad_mask[n_c + j]], gxs):
+        grad_xs: list[torch.Tensor | None] = [None] * plan.n_x
+        for j, g in zip([j for j in range(plan.n_x) if plan.grad_mask[primals.x(j)]], gxs):
             grad_xs[j] = g
         # An input no used output depends on gets None, as in the Python loop
         # (where zeros would let an optimizer's weight decay or momentum move it).
@@ -425,7 +473,6 @@ class _ScanFunction(torch.autograd.Function):
                 if k not in hit:
                     values[k] = None
         # Gradients are sharded like the tensors they belong to.
-        _apply_shardings(grad_init, ctx.shardings[:n_c])
-        _apply_shardings(grad_xs, ctx.shardings[n_c:n_c + n_x])
-        _apply_shardings(grad_outside_vals, ctx.shardings[n_c + n_x:])
+        for values, shardings in zip((grad_init, grad_xs, grad_outside_vals), primals.split(ctx.shardings)):
+            _apply_shardings(values, shardings)
         return (None, *grad_init, *grad_xs, *grad_outside_vals)
