@@ -11,7 +11,7 @@ flatness, and a PNG.
 
 Usage::
 
-    python scripts/soak.py --steps 500 --every 50 --png soak.png
+    python scripts/soak.py --steps 500 --every 50 --png bench_out/soak.png
 
 The checks (also asserted by ``test/test_soak.py`` on a short run): no
 compile after step 2 (``no_recompiles``), no device->host byte inside any step
@@ -158,6 +158,7 @@ def _plot(windows: list[Window], path: str) -> None:
         ax.set_xlabel("step")
     fig.suptitle("soak: fully sharded, scanned tiny Llama, AdamW, changing padding")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
 
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--png", default="soak.png")
+    parser.add_argument("--png", default="bench_out/soak.png")
     args = parser.parse_args(argv)
     windows = soak(args.steps, args.every)
     print(f"{'steps':>6} {'loss':>8} {'step ms':>8} {'RSS MiB':>8} {'live XLA tensors':>17} "
