@@ -121,7 +121,7 @@ def test_scan_decoder_layers_refuses_mixed_layer_kinds_and_unclear_stacks(device
     config = transformers.Qwen2Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         vocab_size=VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=1,
-        layer_types=["full_attention", "sliding_attention"])
+        layer_types=["full_attention", "sliding_attention"])  # no period shorter than the stack
     with pytest.raises(txe.ScanInputError, match="mixes layer kinds"):
         scan_decoder_layers(transformers.Qwen2ForCausalLM(config))
     two = torch.nn.Module()

@@ -195,3 +195,35 @@ def test_scan_under_autocast_and_without_uses_its_own_loop(device):
     torch.testing.assert_close(mixed.cpu(), want.cpu(), rtol=0, atol=0)
     torch.testing.assert_close(plain_again.cpu(), plain.cpu(), rtol=0, atol=0)
     assert not torch.equal(mixed.cpu(), plain.cpu())  # bfloat16 matmuls round differently
+
+
+def test_groups_of_alternating_layers_scan_like_the_loop(device):
+    class Gated(Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Parameter(torch.ones(8))
+
+        def forward(self, h):
+            return torch.sigmoid(self.lin(h)) * self.gate
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList([Block(), Gated(), Block(), Gated(), Block(), Gated()]).to(device)
+    ref = copy.deepcopy(layers)
+    h = torch.randn(4, 8, device=device)
+    with pytest.raises(txe.ScanInputError, match="mismatched keys"):
+        txe.scan_layers(layers, h)  # layer by layer they differ
+    out = txe.scan_layers(layers, h, group_size=2)
+    want = _loop(ref, h)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    tol = tolerance(torch.float32, 8 * 6)
+    torch.testing.assert_close(out.cpu(), want.cpu(), **tol)
+    for p, q in zip(layers.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), **tol)
+    before = scan_cache_info()
+    txe.scan_layers(layers, h, group_size=2)
+    assert scan_cache_info().hits == before.hits + 1  # the groups are kept: the loop is reused
+    with pytest.raises(txe.ScanInputError, match="do not split into groups of 4"):
+        txe.scan_layers(layers, h, group_size=4)
+    with pytest.raises(txe.ScanInputError, match="nn.ModuleList"):
+        txe.scan_layers(list(layers), h, group_size=2)

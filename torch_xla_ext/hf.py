@@ -26,7 +26,10 @@ torch_xla 2.9 does not register).
 Refused with a clear error rather than computed differently: a KV cache
 (``use_cache=True``, ``past_key_values``), requests for every layer's output
 (``output_hidden_states``, ``output_attentions``), and models whose layers get
-different arguments (``config.layer_types`` mixing attention kinds).
+different arguments without a period (``config.layer_types`` mixing attention
+kinds irregularly). Kinds that repeat with a period p (Gemma 2's sliding /
+full alternation) are scanned in groups of p layers (``scan_layers``'
+``group_size``), each position with the arguments the model gives it.
 ``transformers`` is imported only by the functions that need it.
 
 :func:`causal_mask` builds the 4-D additive mask that lets attention run with
@@ -39,6 +42,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import typing
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 
 from ._scan.errors import ScanInputError
+from ._scan.groups import POSITIONS, layer_groups
 from ._scan.homogeneous import allow_hooks
 from ._scan.layers import _scan_layers
 from .remat import nothing_saveable
@@ -57,11 +62,12 @@ class _Options:
     """What a scanned stack passes to ``scan_layers``, and the forward hooks that mark its owner's forward."""
 
     def __init__(self, partition_fn: Callable | None, is_layer_pure: bool, handles: list,
-                 window: int | None = None) -> None:
+                 window: int | None = None, group_size: int = 1) -> None:
         self.partition_fn = partition_fn
         self.is_layer_pure = is_layer_pure
         self.handles = handles
         self.window = window  # the model's sliding window (see _model_window)
+        self.group_size = group_size  # the period of config.layer_types (1: every layer alike)
         self.local = threading.local()  # .depth: the owner's forwards running; .masks: their attention_mask
 
     def active(self) -> bool:
@@ -80,12 +86,18 @@ class ScannedLayers(torch.nn.ModuleList):
 
     def __iter__(self) -> Iterator[Any]:
         if self._txe_scan.active():
-            return iter([_ScanCall(list(self._modules.values()), self._txe_scan)])
+            return iter(_scan_calls(self, list(self._modules.values()), self._txe_scan))
         return super().__iter__()
 
     def __getitem__(self, idx):
         if isinstance(idx, slice) and self._txe_scan.active():
-            return _ScannedSlice(list(self._modules.values())[idx], self._txe_scan)
+            layers = list(self._modules.values())
+            if len(layers[idx]) != len(layers) and self._txe_scan.group_size > 1:
+                raise ScanInputError(
+                    f"scan_decoder_layers: the model's loop takes layers[{idx.start}:{idx.stop}] of an interleaved "
+                    f"stack ({len(layers)} layers); only the whole stack can be scanned in groups"
+                )
+            return _ScannedSlice(self, layers[idx], self._txe_scan)
         return super().__getitem__(idx)
 
     def unscan(self) -> torch.nn.ModuleList:
@@ -100,38 +112,63 @@ class ScannedLayers(torch.nn.ModuleList):
 class _ScannedSlice:
     """``layers[a:b]`` inside the owner's forward: iterates as one call scanning those layers."""
 
-    def __init__(self, layers: list[torch.nn.Module], options: _Options) -> None:
-        self._layers, self._options = layers, options
+    def __init__(self, stack: ScannedLayers, layers: list[torch.nn.Module], options: _Options) -> None:
+        self._stack, self._layers, self._options = stack, layers, options
 
     def __iter__(self) -> Iterator[Any]:
-        return iter([_ScanCall(self._layers, self._options)] if self._layers else [])
+        return iter(_scan_calls(self._stack, self._layers, self._options) if self._layers else [])
 
     def __len__(self) -> int:
         return len(self._layers)
 
 
-class _ScanCall:
-    """Stands for the first layer in the owner's loop; calling it applies all the layers as one scan."""
+def _scan_calls(stack: ScannedLayers, layers: list[torch.nn.Module], options: _Options) -> list[_ScanCall]:
+    """What the owner's loop iterates: one call, or one per position of an interleaved group."""
+    if options.group_size == 1:
+        return [_ScanCall(layers, options)]
+    pending: list[tuple[tuple, dict]] = []
+    return [_ScanCall(layers, options, stack, k, pending) for k in range(options.group_size)]
 
-    def __init__(self, layers: list[torch.nn.Module], options: _Options) -> None:
+
+class _ScanCall:
+    """Stands for the first layer in the owner's loop; calling it applies all the layers as one scan.
+
+    In an interleaved stack (``config.layer_types`` repeating with period p)
+    the loop gets p of them: each of the first p - 1 records the arguments the
+    model gives its position (the sliding-window mask, say) and hands the
+    hidden states on unchanged; the last scans every group of p layers, each
+    position with its own arguments.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module], options: _Options, stack: ScannedLayers | None = None,
+                 position: int = 0, pending: list | None = None) -> None:
         self._layers, self._options = layers, options
+        self._stack, self._position, self._pending = stack, position, pending
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         _refuse_per_layer_state(args, kwargs)
+        scanned: list[torch.nn.Module] = self._layers
+        if self._pending is not None:  # one position of an interleaved group
+            self._pending.append((args, kwargs))
+            if self._position < self._options.group_size - 1:
+                return hidden_states  # the layers' output comes from the scan, at the group's last position
+            positions, self._pending[:] = list(self._pending), []
+            scanned = layer_groups(self._stack, self._options.group_size, 1)
+            args, kwargs = (), {POSITIONS: positions}
         masks = getattr(self._options.local, "masks", None)
-        _check_mask_window(masks[-1] if masks else None, self._options.window)
+        _check_mask_window(masks[-1] if masks else None, self._options.window, self._options.group_size > 1)
         partition_fn = self._options.partition_fn
         checkpointing = [layer for layer in self._layers
                          if layer.training and getattr(layer, "gradient_checkpointing", False) is True]
         if not checkpointing:
-            return _scan_layers(self._layers, hidden_states, args, kwargs, partition_fn, self._options.is_layer_pure)
+            return _scan_layers(scanned, hidden_states, args, kwargs, partition_fn, self._options.is_layer_pure)
         # model.gradient_checkpointing_enable(): each layer recomputed in the backward from its input,
         # which is what remat.nothing_saveable does for the scanned loop (unless the user chose a
         # partition_fn). torch.utils.checkpoint itself cannot run on XLA (it looks up torch.xla).
         for layer in checkpointing:
             layer.gradient_checkpointing = False
         try:
-            return _scan_layers(self._layers, hidden_states, args, kwargs, partition_fn or nothing_saveable,
+            return _scan_layers(scanned, hidden_states, args, kwargs, partition_fn or nothing_saveable,
                                 self._options.is_layer_pure)
         finally:
             for layer in checkpointing:
@@ -192,6 +229,42 @@ def _idle_output_capturing_hook(hook: object) -> bool:
 allow_hooks(_idle_output_capturing_hook)
 
 
+def _period(layer_types: object, num_layers: int) -> int | None:
+    """The smallest p < ``num_layers`` dividing it with ``layer_types[i] == layer_types[i % p]``.
+
+    1 when all layers are of one kind; None when no such p exists.
+    """
+    if not isinstance(layer_types, (list, tuple)) or len(set(layer_types)) <= 1:
+        return 1
+    if len(layer_types) < num_layers:
+        return None
+    kinds = list(layer_types)[:num_layers]
+    for p in range(2, num_layers):  # p = num_layers would be one group: nothing to scan
+        if num_layers % p == 0 and all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+            return p
+    return None
+
+
+def _require_tensor_output(layer: torch.nn.Module) -> None:
+    """Interleaved stacks hand the hidden states on unchanged between positions: the layers must return a tensor."""
+    returns = None
+    for cls in type(layer).__mro__:  # the first forward that says (fully_shard's subclass does not)
+        forward = cls.__dict__.get("forward")
+        try:
+            hints = typing.get_type_hints(forward) if forward is not None else {}
+        except Exception:  # noqa: BLE001 - unresolvable annotations: treated as unknown
+            hints = {}
+        if "return" in hints:
+            returns = hints["return"]
+            break
+    if returns is not torch.Tensor:
+        raise ScanInputError(
+            f"scan_decoder_layers: {type(layer).__name__}.forward is not annotated to return a tensor; scanning an "
+            f"interleaved stack in groups needs layers that return the hidden states as a tensor (transformers 5 "
+            f"decoder layers do)"
+        )
+
+
 def _find_stack(model: torch.nn.Module) -> str:
     """The qualified name of the model's decoder layer list: the ``nn.ModuleList`` of one class per hidden layer."""
     config = getattr(model, "config", None)
@@ -250,15 +323,18 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
     types = {type(layer).__name__ for layer in stack}
     if len(types) != 1:
         raise ScanInputError(f"scan_decoder_layers: {name} holds layers of several classes ({sorted(types)})")
-    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
-    if isinstance(layer_types, (list, tuple)) and len(set(layer_types)) > 1:
+    group_size = _period(getattr(getattr(model, "config", None), "layer_types", None), len(stack))
+    if group_size is None:
+        layer_types = model.config.layer_types
         raise ScanInputError(
             f"scan_decoder_layers: {type(model).__name__} mixes layer kinds (config.layer_types = "
-            f"{sorted(set(layer_types))}); its forward gives each kind its own arguments (a sliding-window mask), "
-            f"which one scan over all layers cannot do"
+            f"{sorted(set(layer_types))}) without a period that divides its {len(stack)} layers; its forward "
+            f"gives each kind its own arguments (a sliding-window mask), which one scan over all layers cannot do"
         )
+    if group_size > 1:
+        _require_tensor_output(stack[0])
     owner = model.get_submodule(name.rpartition(".")[0])
-    options = _Options(partition_fn, is_layer_pure, [], _model_window(model))
+    options = _Options(partition_fn, is_layer_pure, [], _model_window(model), group_size)
     params = list(inspect.signature(owner.forward).parameters)  # bound method: no self
     position = params.index("attention_mask") if "attention_mask" in params else None
 
@@ -356,10 +432,36 @@ def _model_window(model: torch.nn.Module) -> int | None:
     return window
 
 
-def _check_mask_window(mask: object, window: int | None) -> None:
-    """Refuse a 4-D mask for a sliding-window model unless causal_mask built it with that window."""
-    if window is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return  # no window, or a 2-D mask / none: the model builds its own (windowed) masks
+def _check_mask_window(mask: object, window: int | None, interleaved: bool = False) -> None:
+    """Refuse a 4-D mask that would drop the model's sliding window (see :func:`causal_mask`).
+
+    A model whose every layer slides needs a 4-D mask built with its window.
+    An interleaved model (sliding and full layers) needs one mask per kind,
+    as the dict Hugging Face accepts: ``{"full_attention": causal_mask(m),
+    "sliding_attention": causal_mask(m, sliding_window=W)}``.
+    """
+    if window is None:
+        return
+    if interleaved:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            raise ScanInputError(
+                f"scan_decoder_layers: the model alternates sliding-window (config.sliding_window = {window}) "
+                f"and full-attention layers, and a 4-D attention mask is used as given by every layer: one mask "
+                f"cannot be right for both. Pass {{'full_attention': causal_mask(mask), 'sliding_attention': "
+                f"causal_mask(mask, sliding_window={window})}}, or the 2-D padding mask."
+            )
+        if isinstance(mask, dict):
+            for kind, built_for in (("full_attention", None), ("sliding_attention", window)):
+                entry = mask.get(kind)
+                if isinstance(entry, torch.Tensor) and entry.dim() == 4 and _window_of(entry) != built_for:
+                    raise ScanInputError(
+                        f"scan_decoder_layers: attention_mask[{kind!r}] was not built by causal_mask with "
+                        f"sliding_window={built_for}; the {kind} layers would attend "
+                        f"{'outside their window' if built_for else 'inside a window they do not have'}"
+                    )
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return  # a 2-D mask or none: the model builds its own (windowed) masks
     built_for = _window_of(mask)
     if built_for != window:
         how = ("was not built by causal_mask" if built_for == "unknown"

@@ -15,6 +15,7 @@ from .api import _scan_flat
 from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError
+from .groups import layer_groups
 from .guard import describe_callable, refuse_nested
 from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_hooks, check_members,
                           describe_difference, layer_state, value_key)
@@ -169,6 +170,8 @@ def scan_layers(
     input_data: torch.Tensor | tuple[torch.Tensor, ...],
     partition_fn: Callable | None = None,
     is_layer_pure: bool = True,
+    *,
+    group_size: int = 1,
     **layer_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Apply homogeneous layers in sequence as one :func:`scan`: ``h = layer(h, **layer_kwargs)`` for each.
@@ -211,11 +214,20 @@ def scan_layers(
         pytree, must be XLA tensors: they become loop operands (never baked
         into the compiled loop), keep their sharding and receive gradients
         when they require grad. Other values are part of the cache key. (The
-        names ``partition_fn`` and ``is_layer_pure`` are this function's.)
+        names ``partition_fn``, ``is_layer_pure`` and ``group_size`` are this
+        function's.)
+      group_size: scan a repeating group of this many consecutive layers
+        (``layers`` an ``nn.ModuleList`` whose length it divides): for stacks
+        whose layers alternate kinds, e.g. ``group_size=2`` for sliding /
+        global attention. Layers within a group may differ; every group must
+        match the first (see :mod:`torch_xla_ext._scan.groups`).
 
     Returns:
       The last layer's output: a tensor, or a tuple for a tuple ``input_data``.
     """
+    if group_size != 1:
+        num_carried = 1 if isinstance(input_data, torch.Tensor) else len(input_data)
+        layers = layer_groups(layers, group_size, num_carried)
     return _scan_layers(layers, input_data, (), layer_kwargs, partition_fn, is_layer_pure)
 
 

@@ -1,0 +1,93 @@
+"""Interleaved stacks: a tiny Gemma 2 (sliding / full attention alternating) scanned in groups of two layers.
+
+``scan_decoder_layers`` sees ``config.layer_types`` repeat with period 2 and
+scans groups of two layers, each position with the mask the model gives it.
+Fully sharded and trained with AdamW on left-padded batches (16 tokens, past
+the window of 4), it must match the same model on the CPU given its own 2-D
+mask: losses and every gradient. A single 4-D mask, which one kind of layer
+would misuse, is refused; so is a dict whose masks have the wrong windows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import transformers
+
+import torch_xla_ext as txe
+from torch_xla_ext.distributed import fully_shard
+from torch_xla_ext.hf import causal_mask, scan_decoder_layers
+from torch_xla_ext.testing.tolerances import tolerance
+
+BATCH, SEQ, VOCAB, HIDDEN, LAYERS, WINDOW, STEPS = 4, 16, 128, 64, 4, 4, 2
+TOL = tolerance(torch.float32, STEPS * (LAYERS * (4 * HIDDEN + SEQ + 128) + HIDDEN + VOCAB + BATCH * SEQ))
+
+
+def _gemma2() -> torch.nn.Module:
+    config = transformers.Gemma2Config(
+        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=WINDOW, max_position_embeddings=64,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def _masks(mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"full_attention": causal_mask(mask), "sliding_attention": causal_mask(mask, sliding_window=WINDOW)}
+
+
+def _batches():
+    g = torch.Generator().manual_seed(2)
+    for step in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        for row in range(BATCH):
+            mask[row, :(step + row) % 4] = 0
+        yield ids, mask
+
+
+def test_gemma2_scans_in_groups_and_trains_like_cpu_eager(num_devices):
+    cpu = _gemma2()
+    assert len(set(cpu.config.layer_types)) == 2
+    model = copy.deepcopy(cpu)
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    scan_decoder_layers(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cpu_optimizer = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    device = torch_xla.device()
+    for step, (ids, mask) in enumerate(_batches()):
+        expected = cpu(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss  # its own masks
+        expected.backward()
+        ids_d = ids.to(device)
+        loss = model(input_ids=ids_d, attention_mask=_masks(mask.to(device)), labels=ids_d, use_cache=False).loss
+        loss.backward()
+        torch_xla.sync()
+        torch.testing.assert_close(loss.cpu(), expected.detach(), **TOL)
+        for (name, p), q in zip(model.named_parameters(), cpu.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, **TOL, msg=lambda m, name=name: f"step {step} {name}: {m}")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        cpu_optimizer.step()
+        cpu_optimizer.zero_grad(set_to_none=True)
+        torch_xla.sync()
+
+
+def test_gemma2_masks_that_would_drop_or_add_a_window_are_refused(device):
+    model = _gemma2().to(device)
+    scan_decoder_layers(model)
+    ids = torch.randint(0, VOCAB, (2, SEQ)).to(device)
+    mask = torch.ones(2, SEQ, dtype=torch.long, device=device)
+    with torch.no_grad():
+        with pytest.raises(txe.ScanInputError, match="one mask cannot be right for both"):
+            model(input_ids=ids, attention_mask=causal_mask(mask, sliding_window=WINDOW), use_cache=False)
+        swapped = {"full_attention": causal_mask(mask, sliding_window=WINDOW), "sliding_attention": causal_mask(mask)}
+        with pytest.raises(txe.ScanInputError, match=r"attention_mask\['full_attention'\]"):
+            model(input_ids=ids, attention_mask=swapped, use_cache=False)
