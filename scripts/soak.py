@@ -77,7 +77,8 @@ def soak(steps: int, every: int, layers: int = 2, seed: int = 0) -> list[Window]
     from torch_xla_ext.distributed import fully_shard
     from torch_xla_ext.hf import causal_mask, scan_decoder_layers
 
-    xr.use_spmd()
+    if not xr.is_spmd():
+        xr.use_spmd()
     device = torch_xla.device()
     probe = torch.ones(2).to(device).requires_grad_()
     torch.autograd.grad(probe.sum(), [probe])  # before any CPU backward (see DESIGN.md)

@@ -25,6 +25,8 @@ from torch_xla_ext.hf import ScannedLayers, causal_mask, scan_decoder_layers
 from torch_xla_ext.scan import scan_cache_info
 from torch_xla_ext.testing import measure_transfers
 
+from hf_batches import padded_batches
+
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 12, 128
 
 
@@ -46,13 +48,7 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-        for row in range(BATCH):
-            mask[row, :(step + row) % 5] = 0  # left padding, different every step
-        yield ids, mask
+    return padded_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 def _train_step(model, optimizer, ids, mask):

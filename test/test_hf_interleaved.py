@@ -24,6 +24,8 @@ from torch_xla_ext.distributed import fully_shard
 from torch_xla_ext.hf import causal_mask, scan_decoder_layers
 from torch_xla_ext.testing.tolerances import tolerance
 
+from hf_batches import padded_batches
+
 BATCH, SEQ, VOCAB, HIDDEN, LAYERS, WINDOW, STEPS = 4, 16, 128, 64, 4, 4, 2
 TOL = tolerance(torch.float32, STEPS * (LAYERS * (4 * HIDDEN + SEQ + 128) + HIDDEN + VOCAB + BATCH * SEQ))
 
@@ -41,16 +43,6 @@ def _masks(mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"full_attention": causal_mask(mask), "sliding_attention": causal_mask(mask, sliding_window=WINDOW)}
 
 
-def _batches():
-    g = torch.Generator().manual_seed(2)
-    for step in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-        for row in range(BATCH):
-            mask[row, :(step + row) % 4] = 0
-        yield ids, mask
-
-
 def test_gemma2_scans_in_groups_and_trains_like_cpu_eager(num_devices):
     cpu = _gemma2()
     assert len(set(cpu.config.layer_types)) == 2
@@ -63,7 +55,7 @@ def test_gemma2_scans_in_groups_and_trains_like_cpu_eager(num_devices):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cpu_optimizer = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
     device = torch_xla.device()
-    for step, (ids, mask) in enumerate(_batches()):
+    for step, (ids, mask) in enumerate(padded_batches(STEPS, BATCH, SEQ, VOCAB, seed=2, period=4)):
         expected = cpu(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss  # its own masks
         expected.backward()
         ids_d = ids.to(device)

@@ -25,6 +25,8 @@ from torch_xla_ext.distributed import fully_shard
 from torch_xla_ext.hf import causal_mask, scan_decoder_layers
 from torch_xla_ext.testing.tolerances import tolerance
 
+from hf_batches import padded_batches
+
 STEPS, BATCH, SEQ, VOCAB, HIDDEN, RANK = 3, 8, 12, 128, 64, 4
 # Longest accumulation per step (projections, attention over the sequence, MLP, head, softmax, token mean).
 TOL = tolerance(torch.float32, STEPS * (2 * (4 * HIDDEN + SEQ + 128) + HIDDEN + VOCAB + BATCH * SEQ))
@@ -58,16 +60,6 @@ def _lora_llama() -> nn.Module:
     return model
 
 
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-        for row in range(BATCH):
-            mask[row, :(step + row) % 5] = 0
-        yield ids, mask
-
-
 def test_lora_fine_tune_through_the_recipe_matches_cpu_eager(num_devices):
     mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
     cpu = _lora_llama()
@@ -82,7 +74,7 @@ def test_lora_fine_tune_through_the_recipe_matches_cpu_eager(num_devices):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     cpu_optimizer = torch.optim.AdamW([p for p in cpu.parameters() if p.requires_grad], lr=1e-2)
     device = torch_xla.device()
-    for step, (ids, mask) in enumerate(_batches()):
+    for step, (ids, mask) in enumerate(padded_batches(STEPS, BATCH, SEQ, VOCAB)):
         expected = cpu(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
         expected.backward()
         ids_d, mask_d = ids.to(device), mask.to(device)
