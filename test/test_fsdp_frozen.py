@@ -69,3 +69,22 @@ def test_a_parameter_frozen_before_fully_shard_can_be_unfrozen_and_trains(device
     got = model.layers[1].up.weight.grad
     assert spec(got) == spec(model.layers[1].up.weight)  # sharded by the gather's backward, no hook needed
     torch.testing.assert_close(got.cpu(), reference.layers[1].up.weight.grad, **TRAIN_TOL)
+
+
+def test_a_refused_call_on_a_model_with_frozen_parameters_leaves_it_exactly_as_it_was(num_devices):
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    from torch_xla_ext.distributed import FSDPModule, fully_shard
+
+    model = tiny_decoder(use_scan=False)
+    _freeze_base(model)
+    before = {n: (p, p.device, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()}
+    classes = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="axis named 'fsdp'"):
+        fully_shard(model.layers[0], mesh=xs.Mesh(np.arange(num_devices), (4, 2), ("x", "y")))
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    for n, p in model.named_parameters():
+        obj, device, grad, value = before[n]
+        assert p is obj and p.device == device and p.requires_grad == grad and torch.equal(p.detach(), value), n
