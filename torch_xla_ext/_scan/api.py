@@ -251,7 +251,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
         plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
                             pure)
         traced = None  # what fn made and is still alive without the trace, fn kept
-        refuse_kept_intermediates(made, describe_callable(fn))
+        refuse_kept_intermediates(made, lambda: describe_callable(fn))
         if length == 0:
             carry_l = init_l
             device = torch_xla_device()

@@ -328,7 +328,7 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
                 and [id(t) for t in other.outside] == [id(t) for t in traced.outside])
         made = other.made
         del other
-        refuse_kept_intermediates(made, describe_callable(layers[k]))
+        refuse_kept_intermediates(made, lambda k=k: describe_callable(layers[k]))
         if not same:
             raise ScanInputError(
                 f"scan_layers: {describe_difference(template, layers[k], k)}, and that changes what the layer "

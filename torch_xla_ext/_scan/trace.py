@@ -167,7 +167,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
                    lifter.held, lifter.made, lifter.reads_host)
 
 
-def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: str) -> None:
+def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: Callable[[], str]) -> None:
     """Refuse XLA tensors a lifting trace made that are still alive once the trace is dropped.
 
     Call it after the last reference to the :class:`_Traced` is gone: what is
@@ -186,7 +186,7 @@ def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: str) -> None:
     _neutralize(kept)
     del kept
     raise ScanUnsupportedError(
-        f"scan: fn, {fn}, keeps {count} tensor(s) it computed beyond its call ({shown}"
+        f"scan: fn, {fn()}, keeps {count} tensor(s) it computed beyond its call ({shown}"
         f"{', ...' if count > 4 else ''}): appended to a list, stored in an attribute, a dict or a global. scan "
         f"traces fn once on placeholders, so what it keeps holds no iteration's values (the Python loop would "
         f"keep each iteration's). Return such values as ys (stacked over iterations) or in the carry. The kept "
