@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pytest
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs

@@ -102,7 +102,7 @@ def test_host_reads_kept_tensors_and_nested_scans_are_refused_and_the_process_su
 
 def test_a_refusal_names_the_user_line_and_switches_execution_back_on(device):
     def step(c, x):
-        return c + x * c.sum().item(), None  # noqa: the host read under test
+        return c + x * c.sum().item(), None  # the host read under test
 
     with pytest.raises(txe.ScanUnsupportedError, match=r"item\(\).*test_scan_refusals.py:\d+ \(step\)"):
         txe.scan(step, torch.zeros(4, device=device), torch.ones(2, 4, device=device))
