@@ -175,8 +175,8 @@ def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: Callable[[], str]
     Those are lazy values over placeholders: the next ``torch_xla.sync()``
     would execute them and crash, and in the Python loop they would hold one
     iteration's values, which a scan cannot give. Before raising, each kept
-    tensor is neutralized (:func:`_neutralize`). ``fn`` names the traced
-    function in the message.
+    tensor is neutralized (:func:`_neutralize`). ``fn()`` names the traced
+    function in the message; it is called only when refusing.
     """
     kept = _alive(made)
     if not kept:
