@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import re
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from ._frames import user_frame
+from ._transfer.metrics import _metric
 
 __all__ = ["RecompileError", "no_recompiles"]
 
@@ -69,10 +70,7 @@ def _blocks() -> list[_Block]:
 
 
 def _compile_count() -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("CompileTime")
-    return 0 if data is None else int(data[0])
+    return _metric("CompileTime")[0]
 
 
 def _pending_ir() -> str:
@@ -82,20 +80,6 @@ def _pending_ir() -> str:
     report = torch_xla._XLAC._xla_tensors_report(1, "")
     blocks = [_ID.sub("Tensor: ", b.strip()) for b in report.split("\n\n\n") if b.strip()]
     return "\n".join(sorted(blocks))
-
-
-def _user_site() -> str:
-    import torch
-    import torch_xla
-
-    library = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torch_xla))
-    library += (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
-    f = sys._getframe(2)
-    while f is not None:
-        if not f.f_code.co_filename.startswith(library):
-            return f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
-        f = f.f_back
-    return "<unknown>"
 
 
 _NODE = re.compile(r"^\s*%\d+ = (\S+) ([\w:.]+)\(.*?\)(.*)$")
@@ -152,7 +136,7 @@ def _install() -> None:
             blocks = _blocks()
             if not blocks or getattr(_local, "syncing", False):
                 return original(*args, **kwargs)
-            site = _user_site()
+            site = user_frame()
             ir = _pending_ir()
             before = _compile_count()
             _local.syncing = True
