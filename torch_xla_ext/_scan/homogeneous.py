@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import ScanInputError
+from .guard import describe_callable
 from .sharding import _canonical_specs
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -140,12 +141,6 @@ def _readable(layer: torch.nn.Module):
                 yield path, name, value
 
 
-def _describe_hook(hook: object) -> str:
-    code = getattr(hook, "__code__", None)
-    name = getattr(hook, "__qualname__", None) or type(hook).__name__
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
-
-
 def _partitionable(hook: object) -> bool:
     from .._partitionable import is_partitionable_hook
 
@@ -179,7 +174,7 @@ def check_hooks(layers: Sequence[torch.nn.Module]) -> None:
                         ("backward hook", "_global_backward_hooks")):
         for hook in getattr(nn_module, table).values():
             raise ScanInputError(
-                f"scan_layers: a global module {kind} is registered ({_describe_hook(hook)}); scan_layers runs "
+                f"scan_layers: a global module {kind} is registered ({describe_callable(hook)}); scan_layers runs "
                 f"one traced forward for all layers, so it would run once, at trace time, for layers[0] only. "
                 f"Remove it while scanning, or run the layers in a Python loop."
             )
@@ -191,7 +186,7 @@ def check_hooks(layers: Sequence[torch.nn.Module]) -> None:
                         continue
                     where = f"layers[{i}]" + (f".{path}" if path else "")
                     raise ScanInputError(
-                        f"scan_layers: {where} has a {kind} ({_describe_hook(hook)}). scan_layers runs "
+                        f"scan_layers: {where} has a {kind} ({describe_callable(hook)}). scan_layers runs "
                         f"layers[0]'s forward once, traced, for every layer with that layer's weights, so a hook "
                         f"would not run per layer as in the loop (one on layers[0] would run for every layer and "
                         f"see layers[0]). Remove the hook (handle.remove()) while scanning, or run these layers "
