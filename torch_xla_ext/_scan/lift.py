@@ -65,6 +65,42 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return targets
 
 
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format,
+          torch.Size, slice, type(Ellipsis))
+
+
+def _map_tensors(f: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``pytree.tree_map(f, value)`` for tensor leaves: the same result, without pytree's cost for plain tuples.
+
+    Torch calls pass flat tuples, lists and dicts of tensors and numbers; other
+    containers (namedtuples, registered pytree nodes) go through pytree.
+    """
+    kind = type(value)
+    if kind is tuple or kind is list:
+        mapped = [_map_tensors(f, v) for v in value]
+        return value if all(m is v for m, v in zip(mapped, value)) else kind(mapped)
+    if kind is dict:
+        mapped = {k: _map_tensors(f, v) for k, v in value.items()}
+        return value if all(mapped[k] is v for k, v in value.items()) else mapped
+    if isinstance(value, torch.Tensor):
+        return f(value)
+    if isinstance(value, _PLAIN):
+        return value
+    return pytree.tree_map(lambda v: f(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``value`` in pytree order (see :func:`_map_tensors`)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return [t for v in value for t in _tensor_leaves(v)]
+    if isinstance(value, _PLAIN):
+        return []
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
 def _content_digest(t: torch.Tensor) -> bytes | None:
     """A 128-bit hash of a host tensor's bytes (None for layouts without plain bytes: sparse, meta, ...)."""
     try:
@@ -270,17 +306,16 @@ class Lifter(TorchFunctionMode):
                     f"functional for tensors it does not receive; return the new value through the carry "
                     f"or ys instead."
                 )
-        args = pytree.tree_map(self._swap, args)
-        kwargs = pytree.tree_map(self._swap, kwargs)
+        args = _map_tensors(self._swap, args)
+        kwargs = _map_tensors(self._swap, kwargs)
         if self._record:
             self._calls.append((func, self._describe(args), self._describe(kwargs)))
         out = func(*args, **kwargs)
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._known[id(leaf)] = leaf
-                if self._record and id(leaf) not in self._roles:
-                    self._roles[id(leaf)] = ("t", self._made)
-                    self._made += 1
-                    if leaf.device.type == "xla":
-                        self.made.append(weakref.ref(leaf))
+        for leaf in _tensor_leaves(out):
+            self._known[id(leaf)] = leaf
+            if self._record and id(leaf) not in self._roles:
+                self._roles[id(leaf)] = ("t", self._made)
+                self._made += 1
+                if leaf.device.type == "xla":
+                    self.made.append(weakref.ref(leaf))
         return out
