@@ -193,10 +193,8 @@ def test_causal_mask_refuses_a_bad_window():
 def _stacked_per_layer(model: torch.nn.Module) -> int:
     """How many activations the forward loop of the model's (one) scanned plan stacks for the backward."""
     from torch_xla_ext._scan import cache
-    from torch_xla_ext._scan.layers import _layer_steps
 
-    (step,) = _layer_steps[model.model.layers[0]].values()
-    (plan,) = [p for p in cache._cache[step].values() if p.grad is not None]
+    (plan,) = [p for p in cache._cache[model.model.layers[0]].values() if p.grad is not None]
     return plan.grad.num_stacked
 
 

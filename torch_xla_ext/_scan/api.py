@@ -1,8 +1,10 @@
-"""``scan``: argument checks, flattening, and one call (trace, look up or lower, run)."""
+"""``scan``: argument checks, flattening, and one call in stages (capture, key, plan, run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from .errors import ScanInputError, ScanUnsupportedError
 from .guard import describe_callable, refuse_nested
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
-from .trace import _signature, _trace, _Traced, clear_frame_locals, refuse_kept_intermediates
+from .trace import Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates
 
 PyTree = Any
 
@@ -202,76 +204,136 @@ def scan(
         length = int(first.shape[0])
         xs_l = [leaf for _, leaf in x_named]
 
-    carry_l, ys_full, _ = _scan_flat(fn, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn,
-                                     is_fn_pure)
+    carry_l, ys_full = _scan_flat(fn, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn, is_fn_pure)
     return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full[0], ys_full[1])
 
 
-def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
-               xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
-               check_written: Callable[[list[int]], None] | None = None,
-               check_traced: Callable[[_Traced, Callable[[Callable], _Traced]], None] | None = None,
-               extra_key: tuple = (),
-               ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec], dict[int, torch.Tensor]]:
-    """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec), updated xs)``.
+# --------------------------------------------------------------------------- #
+# One call, in stages: capture -> key -> plan (looked up, or lowered) -> run.
+# scan runs them in _scan_flat; scan_layers runs its own checks between them.
+# --------------------------------------------------------------------------- #
 
-    With ``check_written`` (scan_layers' buffers), ``updated`` maps the
-    position of each xs leaf that ``fn`` writes into to the stacked values of
-    its slices as each iteration left them; ``check_written`` sees those
-    positions first, before anything is lowered, and may refuse them.
-    ``check_traced`` sees the lifting trace, and a function tracing another
-    ``fn`` on the same inputs, before anything is lowered (scan_layers checks
-    that layers with other attributes trace the same). ``extra_key`` joins
-    the cache key (values the caller passes ``fn`` that the trace may not show).
+
+@dataclasses.dataclass
+class Captured:
+    """Stage 1, capture: ``fn`` traced lazily on placeholders (nothing runs, no device memory)."""
+
+    step: Callable               # fn on flat leaves, as traced (the written x leaves appended to its ys)
+    traced: _Traced | None       # the lifting trace; dropped by :meth:`release`
+    carry_sig: list[Sig]
+    x_sig: list[Sig]
+    outside: list[torch.Tensor]  # the outside tensors fn read on this call: loop operands
+    written: list[int]           # xs leaves fn writes into, by position (with ``keep_written``)
+    y_spec: pytree.TreeSpec
+    y_none: tuple[bool, ...]     # per y leaf: fn returned None there
+    made: list[weakref.ref]      # every XLA tensor the traces made (see refuse_kept_intermediates)
+
+    def retrace(self, fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None) -> _Traced:
+        """Another ``fn`` traced on this capture's placeholders' signatures (scan_layers' other layers)."""
+        traced = _trace(_flat_step(fn, init_spec, x_spec, {}), self.carry_sig, self.x_sig)
+        self.made += traced.made
+        return traced
+
+    def release(self, fn: Callable) -> None:
+        """Drop the trace, then refuse tensors ``fn`` kept beyond its call (see refuse_kept_intermediates)."""
+        self.traced = None
+        self.step = None  # type: ignore[assignment]
+        refuse_kept_intermediates(self.made, lambda: describe_callable(fn))
+
+
+def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
+            xs_l: list[torch.Tensor], keep_written: bool = False) -> Captured:
+    """Trace ``fn`` on placeholders for this call's signatures.
+
+    Every call traces: the outside tensors ``fn`` reads now are the loop's
+    operands, and the trace's fingerprint picks the cached loop, so a value
+    that changed is never served stale. With ``keep_written`` (scan_layers'
+    buffers), xs leaves ``fn`` writes into are traced again as extra ys: the
+    stacked values of their slices as each iteration left them.
     """
-    # Every call traces fn lazily on placeholders (nothing runs): the outside
-    # tensors it reads now are the loop's operands, and the trace's fingerprint
-    # picks the cached loop, so a value that changed is never served stale.
     found: dict[str, Any] = {}
     step = _flat_step(fn, init_spec, x_spec, found)
     carry_sig = [_signature(t) for t in init_l]
     x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
     traced = _trace(step, carry_sig, x_sig)
     made = list(traced.made)
-    try:
-        n_c = len(init_l)
-        if check_traced is not None:
-            check_traced(traced, lambda other: _trace(_flat_step(other, init_spec, x_spec, {}), carry_sig, x_sig))
-        written = [k - n_c for k in traced.mutated if k >= n_c] if check_written is not None else []
-        if written:
-            check_written(written)
-            step = _with_written_xs(step, written)
+    n_c = len(init_l)
+    written = [k - n_c for k in traced.mutated if k >= n_c] if keep_written else []
+    if written:
+        step = _with_written_xs(step, written)
+        try:
             traced = _trace(step, carry_sig, x_sig)
-            made += traced.made
-        outside = traced.outside
-        specs = tuple(_canonical_specs(init_l + xs_l + outside))
-        key = (init_spec, x_spec, tuple(_signature(t) for t in init_l + xs_l + outside), specs,
-               tuple(t.requires_grad for t in init_l + xs_l + outside), global_state(), length, reverse,
-               partition_fn, check_written is not None, cpu_codegen(), traced.fingerprint, extra_key)
-        plan = _cached_plan(fn, key, lambda: _make_plan(step, traced, init_l, xs_l, length, reverse, partition_fn),
-                            pure)
-        traced = None  # what fn made and is still alive without the trace, fn kept
-        refuse_kept_intermediates(made, lambda: describe_callable(fn))
-        if length == 0:
-            carry_l = init_l
-            device = torch_xla_device()
-            ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
-        elif plan.grad is not None:
-            outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *outside)
-            carry_l, ys_l = list(outs[:n_c]), list(outs[n_c:])
-        else:
-            carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, outside)
-        if length:
-            _shard_like(carry_l, init_l)
-        updated = dict(zip(written, ys_l[len(ys_l) - len(written):]))
-        stacked = iter(ys_l[:len(ys_l) - len(written)])
-        ys_full = [None if none else next(stacked) for none in found["y_none"]]
-        return carry_l, (ys_full, found["y_spec"]), updated
+        except BaseException:
+            traced = None
+            neutralize_made(made)
+            raise
+        made += traced.made
+    return Captured(step, traced, carry_sig, x_sig, traced.outside, written, found["y_spec"], found["y_none"], made)
+
+
+def cache_key(captured: Captured, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
+              init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int, reverse: bool,
+              partition_fn: Callable | None, extra: tuple = ()) -> tuple:
+    """Stage 2, key: what a cached plan must match (``extra``: what the caller passes ``fn`` that no trace shows)."""
+    operands = init_l + xs_l + captured.outside
+    return (init_spec, x_spec, tuple(_signature(t) for t in operands), tuple(_canonical_specs(operands)),
+            tuple(t.requires_grad for t in operands), global_state(), length, reverse, partition_fn,
+            bool(captured.written), cpu_codegen(), captured.traced.fingerprint, extra)
+
+
+def plan(owner: Callable, key: tuple, captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor],
+         length: int, reverse: bool, partition_fn: Callable | None, pure: bool) -> _Plan:
+    """Stage 3, plan: the cached plan of ``owner`` (held weakly) for ``key``, or the loops lowered now."""
+    return _cached_plan(owner, key, lambda: _make_plan(captured.step, captured.traced, init_l, xs_l, length,
+                                                      reverse, partition_fn), pure)
+
+
+def run(plan: _Plan, captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int
+        ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec], dict[int, torch.Tensor]]:
+    """Stage 4, run: ``(carry leaves, (y leaves, y spec), updated xs)`` (see :func:`capture`'s ``keep_written``)."""
+    written = captured.written
+    if length == 0:
+        carry_l = init_l
+        device = torch_xla_device()
+        ys_l = [torch.empty((0, *shape), dtype=dtype, device=device) for shape, dtype in plan.y_sig]
+    elif plan.grad is not None:
+        outs = _ScanFunction.apply(plan.grad, *init_l, *xs_l, *captured.outside)
+        carry_l, ys_l = list(outs[:len(init_l)]), list(outs[len(init_l):])
+    else:
+        carry_l, ys_l = _run(plan.loop, init_l, xs_l, length, captured.outside)
+    if length:
+        _shard_like(carry_l, init_l)
+    updated = dict(zip(written, ys_l[len(ys_l) - len(written):]))
+    stacked = iter(ys_l[:len(ys_l) - len(written)])
+    ys_full = [None if none else next(stacked) for none in captured.y_none]
+    return carry_l, (ys_full, captured.y_spec), updated
+
+
+def forget(captured: Captured | None, error: BaseException) -> None:
+    """After a refusal or a failure: keep no trace alive (lazy tensors over placeholders) and no kept tensor live.
+
+    The caller must drop its own reference to ``captured`` too, before re-raising.
+    """
+    if captured is not None:
+        captured.traced = captured.step = None  # type: ignore[assignment]
+        neutralize_made(captured.made)
+    clear_frame_locals(error)
+
+
+def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
+               xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
+               ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec]]:
+    """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec))``."""
+    captured = capture(fn, init_spec, x_spec, init_l, xs_l)
+    try:
+        key = cache_key(captured, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn)
+        chosen = plan(fn, key, captured, init_l, xs_l, length, reverse, partition_fn, pure)
+        captured.release(fn)
+        carry_l, ys, _ = run(chosen, captured, init_l, xs_l, length)
+        return carry_l, ys
     except BaseException as error:
-        # A refusal or a failure must not keep this call's trace (lazy tensors
-        # over placeholders) alive in this frame or the ones below.
-        traced = step = None
-        clear_frame_locals(error)
+        forget(captured, error)
+        captured = None
         raise
 
 

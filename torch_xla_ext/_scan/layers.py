@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .api import _scan_flat
+from . import api as stages
 from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError
@@ -37,21 +36,6 @@ class _Call(NamedTuple):
     single: bool                # the carried input is one tensor (not a tuple)
     args: tuple                 # positional arguments after the carried inputs
     kwargs: dict[str, Any]      # keyword arguments
-
-
-# The scan_layers calls being traced on this thread: a stack, so a layer whose
-# forward calls scan_layers itself gets its own.
-_calls = threading.local()
-
-
-@contextlib.contextmanager
-def _layer_arguments(call: _Call) -> Iterator[None]:
-    stack = _calls.__dict__.setdefault("stack", [])
-    stack.append(call)
-    try:
-        yield
-    finally:
-        stack.pop()
 
 
 def _describe(value: object) -> str:
@@ -89,9 +73,6 @@ def _check_output(template: torch.nn.Module, carry: tuple, out: object, single: 
     return tuple(got)
 
 
-_layer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_layer_steps_lock = threading.Lock()
-
 # Attribute sets of layers other than the template whose trace was found equal
 # to the template's: per template, {(attribute key, template fingerprint): the
 # attribute values}. The values are held so that the identities the key names
@@ -100,51 +81,43 @@ _verified: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _VERIFIED_PER_TEMPLATE = 256
 
 
+_verified_lock = threading.Lock()
+
+
 @on_clear
-def _clear_layer_steps() -> None:
-    with _layer_steps_lock:
-        _layer_steps.clear()
+def _clear_verified() -> None:
+    with _verified_lock:
         _verified.clear()
 
 
-def _layer_step(template: torch.nn.Module, names: list[str], shapes: list[tuple[int, ...]]) -> Callable:
-    """One step function per template layer, so repeated calls hit scan's cache.
+def _layer_step(layer: torch.nn.Module, names: list[str], shapes: list[tuple[int, ...]], call: _Call) -> Callable:
+    """``layer``'s forward as a scan step: ``(carry, slices of the stacked members) -> (carry, None)``.
 
     The stacked members may be reshaped (:func:`_stacked_layout`); the step
-    gives each slice its parameter's shape back. It reads the call's other
-    arguments from :func:`_layer_arguments` (tensors among them are outside
-    tensors to scan: loop operands). It holds the template weakly: the cache
-    is keyed by the template and must not keep it alive.
+    gives each slice its parameter's shape back. ``call``'s arguments are
+    read by the traced forward: tensors among them are outside tensors to
+    scan (loop operands). The step is made per call; the plan cache is keyed
+    by the template layer (see :func:`_scan_layers`), not by the step.
     """
-    key = (tuple(names), tuple(shapes))
-    with _layer_steps_lock:
-        step = _layer_steps.get(template, {}).get(key)
-    if step is None:
-        from torch.func import functional_call
+    from torch.func import functional_call
 
-        template_ref = weakref.ref(template)
+    def layer_step(carry, state):
+        params = {name: t if tuple(t.shape) == shape else t.reshape(shape)
+                  for name, shape, t in zip(names, shapes, state)}
+        # A write into a reshaped member reaches its slice through the view,
+        # except from ops that update an argument from C++ in lazy mode
+        # (batch_norm's running stats): copy those back so scan sees them.
+        views = [(t, params[name]) for name, t in zip(names, state)
+                 if params[name] is not t and not _is_fake(params[name])]
+        identity = ValueIdentity([v for _, v in views])
+        out = functional_call(layer, params, (*carry, *call.args), call.kwargs)
+        for (t, v), changed in zip(views, identity.changed([v for _, v in views])):
+            if changed:
+                t.copy_(v.reshape(t.shape))
+        return _check_output(layer, carry, out, call.single), None
 
-        def layer_step(carry, state):
-            params = {name: t if tuple(t.shape) == shape else t.reshape(shape)
-                      for name, shape, t in zip(names, shapes, state)}
-            # A write into a reshaped member reaches its slice through the view,
-            # except from ops that update an argument from C++ in lazy mode
-            # (batch_norm's running stats): copy those back so scan sees them.
-            views = [(t, params[name]) for name, t in zip(names, state)
-                     if params[name] is not t and not _is_fake(params[name])]
-            identity = ValueIdentity([v for _, v in views])
-            call = _calls.stack[-1]
-            layer = template_ref()
-            out = functional_call(layer, params, (*carry, *call.args), call.kwargs)
-            for (t, v), changed in zip(views, identity.changed([v for _, v in views])):
-                if changed:
-                    t.copy_(v.reshape(t.shape))
-            return _check_output(layer, carry, out, call.single), None
-
-        layer_step.describes = type(template).forward  # what messages about the step name
-        with _layer_steps_lock:
-            step = _layer_steps.setdefault(template, {}).setdefault(key, layer_step)
-    return step
+    layer_step.describes = type(layer).forward  # what messages about the step name
+    return layer_step
 
 
 def _check_call_tensors(kwargs: dict[str, Any], args: tuple) -> tuple:
@@ -273,57 +246,69 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
             with torch.no_grad():
                 stacked.append(_Stack.apply(*members))
     shapes = [tuple(states[0][name].shape) for name in names]
-    step = _layer_step(layers[0], names, shapes)
-    _, x_spec = pytree.tree_flatten(stacked)
-    params = {name for name, _ in layers[0].named_parameters()}
-
-    def only_buffers(written: list[int]) -> None:
-        # A write into a parameter would bypass autograd and the optimizer.
-        for j in written:
-            if names[j] in params:
-                raise RuntimeError(
-                    f"scan_layers: {type(layers[0]).__name__}.forward writes into its parameter '{names[j]}' "
-                    f"in place; scan_layers cannot keep that write. Update parameters outside the forward (an "
-                    f"optimizer step), or keep the value in a buffer."
-                )
-
-    def same_trace(traced: _Traced, retrace: Callable[[Callable], _Traced]) -> None:
-        _check_same_trace(layers, groups, names, shapes, traced, retrace)
-
+    call = _Call(single, args, kwargs)
+    template = layers[0]
+    carry_spec, x_spec = pytree.tree_flatten(carry)[1], pytree.tree_flatten(stacked)[1]
+    carry_l, length = list(carry), len(layers)
+    captured = None
     try:
-        with _layer_arguments(_Call(single, args, kwargs)):
-            out, _, updated = _scan_flat(step, pytree.tree_flatten(carry)[1], x_spec, list(carry), stacked,
-                                         len(layers), False, partition_fn, is_layer_pure,
-                                         check_written=only_buffers, check_traced=same_trace, extra_key=call_key)
-    except _DtypeChanged:
-        if not peel or len(layers) < 2:
-            raise
-        # Under autocast the first layer turns a float32 input into bfloat16, say, and
-        # every later layer takes and returns bfloat16: run the first as the loop
-        # does, then scan the rest on its output.
-        del stacked, step
-        first = layers[0](*carry, *args, **kwargs)
-        if single != isinstance(first, torch.Tensor):
-            raise
-        return _scan_layers(layers[1:], first, args, kwargs, partition_fn, is_layer_pure, peel=False)
+        try:
+            captured = stages.capture(_layer_step(template, names, shapes, call), carry_spec, x_spec, carry_l,
+                                      stacked, keep_written=True)
+        except _DtypeChanged:
+            if not peel or len(layers) < 2:
+                raise
+            # Under autocast the first layer turns a float32 input into bfloat16, say, and
+            # every later layer takes and returns bfloat16: run the first as the loop
+            # does, then scan the rest on its output.
+            del stacked
+            first = template(*carry, *args, **kwargs)
+            if single != isinstance(first, torch.Tensor):
+                raise
+            return _scan_layers(layers[1:], first, args, kwargs, partition_fn, is_layer_pure, peel=False)
+        _check_only_buffers(template, names, captured.written)
+        _check_same_trace(layers, groups, names, shapes, call, captured,
+                          lambda step: captured.retrace(step, carry_spec, x_spec))
+        key = stages.cache_key(captured, carry_spec, x_spec, carry_l, stacked, length, False, partition_fn,
+                               extra=("scan_layers", tuple(names), tuple(shapes), call_key))
+        chosen = stages.plan(template, key, captured, carry_l, stacked, length, False, partition_fn,
+                             is_layer_pure)
+        captured.release(template)
+        out, _, updated = stages.run(chosen, captured, carry_l, stacked, length)
+    except BaseException as error:
+        stages.forget(captured, error)
+        captured = None
+        raise
     if updated:
         _write_back_buffers(states, names, shapes, updated)
     return out[0] if single else tuple(out)
 
 
+def _check_only_buffers(template: torch.nn.Module, names: list[str], written: list[int]) -> None:
+    """Refuse a forward that writes into a parameter: the write would bypass autograd and the optimizer."""
+    params = {name for name, _ in template.named_parameters()}
+    for j in written:
+        if names[j] in params:
+            raise RuntimeError(
+                f"scan_layers: {type(template).__name__}.forward writes into its parameter '{names[j]}' "
+                f"in place; scan_layers cannot keep that write. Update parameters outside the forward (an "
+                f"optimizer step), or keep the value in a buffer."
+            )
+
+
 def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], names: list[str],
-                      shapes: list[tuple[int, ...]], traced: _Traced,
+                      shapes: list[tuple[int, ...]], call: _Call, captured: stages.Captured,
                       retrace: Callable[[Callable], _Traced]) -> None:
     """Trace one layer of each attribute group; refuse a group whose trace is not the template's."""
-    template = layers[0]
-    with _layer_steps_lock:
+    template, traced = layers[0], captured.traced
+    with _verified_lock:
         verified = _verified.setdefault(template, {})
     for group in groups:
         k = group[0]
         seen = (attribute_key(layers[k]), traced.fingerprint)
         if seen in verified:
             continue
-        other = retrace(_layer_step(layers[k], names, shapes))
+        other = retrace(_layer_step(layers[k], names, shapes, call))
         same = (other.fingerprint == traced.fingerprint and other.mutated == traced.mutated
                 and [id(t) for t in other.outside] == [id(t) for t in traced.outside])
         made = other.made
@@ -336,7 +321,7 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
                 f"layer's parameters, so every layer must compute the same function of its parameters and "
                 f"inputs; run these layers in a Python loop, or scan each group of equal layers separately."
             )
-        with _layer_steps_lock:
+        with _verified_lock:
             if len(verified) >= _VERIFIED_PER_TEMPLATE:
                 verified.clear()
             verified[seen] = attribute_values(layers[k])

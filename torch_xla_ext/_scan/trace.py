@@ -89,13 +89,13 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
         try:
             return _trace_on_placeholders(step, carry, x, outside, made)
         except ImportedWhileTracing:
-            _neutralize(_alive(made))
+            neutralize_made(made)
             made.clear()
             return _trace_on_placeholders(step, carry, x, outside, made)
     except BaseException as error:
         clear_frame_locals(error)
         # fn may have kept tensors before it failed (or was refused): no later sync may run them.
-        _neutralize(_alive(made))
+        neutralize_made(made)
         raise
 
 
@@ -192,6 +192,11 @@ def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: Callable[[], str]
         f"keep each iteration's). Return such values as ys (stacked over iterations) or in the carry. The kept "
         f"tensors now hold NaN (integers: 0) so that no later torch_xla.sync() runs them."
     )
+
+
+def neutralize_made(made: Sequence[weakref.ref]) -> None:
+    """Neutralize (see :func:`_neutralize`) the tensors of ``made`` still alive: after a trace failed or was refused."""
+    _neutralize(_alive(made))
 
 
 def _alive(made: Sequence[weakref.ref]) -> list[torch.Tensor]:
