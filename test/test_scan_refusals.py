@@ -100,6 +100,59 @@ def test_host_reads_kept_tensors_and_nested_scans_are_refused_and_the_process_su
         assert lines[-1] == ["alive", "[3.0,", "3.0,", "3.0,", "3.0]", "True"], proc.stdout
 
 
+_CHILD_AFTER_TRACE = textwrap.dedent('''
+    import gc, os
+    os.environ.setdefault("PJRT_DEVICE", "CPU"); os.environ.setdefault("CPU_NUM_DEVICES", "8")
+    import torch, torch_xla, torch_xla.runtime as xr
+    xr.use_spmd()
+    import torch_xla_ext as txe
+    dev = torch_xla.device()
+    kept = []
+
+    class Keeper(torch.nn.Module):  # keeps an intermediate; the second layer computes something else
+        def __init__(self, scale):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.scale = scale
+        def forward(self, h):
+            out = self.lin(h) * 2 if self.scale > 1 else self.lin(h)
+            kept.append(out)
+            return out
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Keeper(1), Keeper(2)]).to(dev)
+    x = torch.ones(2, 4, device=dev)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            try:
+                txe.scan_layers(layers, x)
+                print("case", grad, "not refused", flush=True)
+            except (txe.ScanInputError, txe.ScanUnsupportedError) as error:
+                print("case", grad, "refused", type(error).__name__, flush=True)
+            torch_xla.sync()  # with what both layers' traces kept still alive
+            print("kept", grad, len(kept), all(bool(t.isnan().all()) for t in kept), flush=True)
+            kept.clear(); gc.collect(); torch_xla.sync()
+    with torch.no_grad():
+        on_device = layers[0](x).cpu()
+        print("alive", torch.allclose(on_device, layers[0].cpu()(x.cpu()), rtol=1e-5, atol=1e-6), flush=True)
+''')
+
+
+def test_tensors_kept_by_a_trace_refused_after_it_ran_are_neutralized_too(tmp_path):
+    # The first layer's trace succeeds and keeps a tensor; the second layer's trace (another attribute
+    # value) is refused. Before every refusal neutralized what all traces of the call kept, the first
+    # layer's kept tensor reached the next sync and killed the process (exit 139).
+    script = tmp_path / "test_child.py"
+    script.write_text(_CHILD_AFTER_TRACE)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"child died with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+        assert proc.stdout.splitlines() == [
+            "case False refused ScanUnsupportedError", "kept False 2 True",
+            "case True refused ScanUnsupportedError", "kept True 2 True", "alive True"], proc.stdout
+
+
 def test_a_refusal_names_the_user_line_and_switches_execution_back_on(device):
     def step(c, x):
         return c + x * c.sum().item(), None  # the host read under test
