@@ -16,10 +16,12 @@ layered; each module holds one idea and imports only the ones above it:
               operand layout, and adds it to the lazy graph.
 ``autograd``  AOTAutograd's forward/backward split, each graph run as a loop.
 ``cache``     the one registry of lowered loops (keyed by fn and fingerprint).
-``api``       ``scan``: argument checks and one call (trace, look up, run).
+``api``       ``scan``: argument checks, and one call as four stages: ``capture``
+              (trace fn), ``cache_key``, ``plan`` (look up or lower), ``run``.
 ``stacking``  stacking homogeneous layers' members, handing gradients back.
 ``homogeneous`` whether layers can share one traced step (members, attributes).
-``layers``    ``scan_layers`` on top of ``api``, ``homogeneous`` and ``stacking``.
+``layers``    ``scan_layers`` on top of ``api``'s stages (its checks run between
+              them), ``homogeneous`` and ``stacking``.
 ``errors``    ``ScanInputError`` (bad arguments) and ``ScanUnsupportedError``
               (what a traced loop cannot do as the Python loop does).
 ``dynamo``    scans refuse to run inside ``torch.compile`` (and why).
