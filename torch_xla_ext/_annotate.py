@@ -23,26 +23,32 @@ import torch
 from ._xla import xlac
 
 __all__ = ["annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node",
+           "is_fake_tensor",
            "ANNOTATE_OP", "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace", "traced"]
 
 _REPLICATED = ("", "{replicated}")
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def traced(t: torch.Tensor) -> bool:
-    """Whether ``t`` is being traced (``torch.compile``, or a fake tensor of an AOTAutograd trace), not run.
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracer's tensor (a fake tensor, or a functional one over it), not a lazy XLA tensor.
 
-    ``is_fake`` unwraps torch_xla's functional tensors on every call (~2.4 us);
-    a plain tensor while no fake mode is active is answered without it (~0.5
-    us). The annotations of a fully sharded step ask this hundreds of times.
+    The one test the package uses (scan's AOTAutograd traces, ``torch.compile``
+    of a fully sharded forward). ``is_fake`` unwraps torch_xla's functional
+    tensors on every call (~2.4 us); a plain tensor while no fake mode is
+    active is answered without it (~0.5 us). The annotations of a fully
+    sharded step ask this hundreds of times.
     """
-    if torch.compiler.is_compiling():
-        return True
     if type(t) in _PLAIN_TYPES and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
         return False
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being traced (``torch.compile``, or a fake tensor of an AOTAutograd trace), not run."""
+    return torch.compiler.is_compiling() or is_fake_tensor(t)
 
 
 def fresh_node(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._annotate import behind_barrier, regather_mark, scan_autograd_trace
+from .._annotate import behind_barrier, is_fake_tensor, regather_mark, scan_autograd_trace
 from .._partitionable import partitionable_ops
 from .._xla import redirected_mark_sharding, torch_xla_device
 from .errors import ScanUnsupportedError
@@ -38,10 +38,8 @@ def _traceable_mark_sharding(lifter: Lifter):
     records torch_xla's traceable sharding op (which also shards the
     gradient) and later uses of the tensor read the annotated value.
     """
-    from torch._subclasses.fake_tensor import is_fake
-
     def mark_sharding(original, t, mesh, partition_spec, *args, **kwargs):
-        if not isinstance(t, torch.Tensor) or not is_fake(t):
+        if not isinstance(t, torch.Tensor) or not is_fake_tensor(t):
             return original(t, mesh, partition_spec, *args, **kwargs)
         import torch_xla.distributed.spmd.xla_sharding as xla_sharding
 

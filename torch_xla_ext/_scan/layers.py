@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from .._annotate import is_fake_tensor
 from . import api as stages
 from .cache import on_clear
 from .dynamo import refused_under_compile
@@ -21,13 +22,6 @@ from .homogeneous import (attribute_groups, attribute_key, attribute_values, che
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .trace import _Traced, refuse_kept_intermediates
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tensor of an AOTAutograd trace (fake or functional) rather than a lazy XLA tensor."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
 
 
 class _Call(NamedTuple):
@@ -108,7 +102,7 @@ def _layer_step(layer: torch.nn.Module, names: list[str], shapes: list[tuple[int
         # except from ops that update an argument from C++ in lazy mode
         # (batch_norm's running stats): copy those back so scan sees them.
         views = [(t, params[name]) for name, t in zip(names, state)
-                 if params[name] is not t and not _is_fake(params[name])]
+                 if params[name] is not t and not is_fake_tensor(params[name])]
         identity = ValueIdentity([v for _, v in views])
         out = functional_call(layer, params, (*carry, *call.args), call.kwargs)
         for (t, v), changed in zip(views, identity.changed([v for _, v in views])):
