@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, in_scan_autograd_trace, mesh_text, shard_activation
-from ._param import Gather, Regather, axis_size, place, spec_string
+from .._annotate import annotate_sharding, in_scan_autograd_trace, is_fake_tensor, mesh_text, shard_activation
+from ._param import Gather, Regather, applied_spec, axis_size, place, spec_string
 
 __all__ = [
     "FSDPState",
@@ -278,9 +278,7 @@ def _on_fake_tensors(params: list[nn.Parameter]) -> bool:
     so; saved-tensor hooks cannot pack fake values under any tracer. A tracer
     fakes every parameter of a forward or none: the first one answers.
     """
-    from torch._subclasses.fake_tensor import is_fake
-
-    return bool(params) and is_fake(params[0])
+    return bool(params) and is_fake_tensor(params[0])
 
 
 @dataclasses.dataclass
@@ -355,6 +353,27 @@ def holder_record(module: nn.Module, create: bool = False) -> HolderRecord | Non
     if record is None and create:
         record = _holders[module] = HolderRecord()
     return record
+
+
+def assign_ownership(modules: Iterable[nn.Module], states: list[FSDPState], slots: list[list[Slot]]) -> None:
+    """Record that each of ``states`` manages its ``slots`` (one list per state), in the holders' records.
+
+    Ownership may have moved between these states (a shared parameter's
+    lowest common ancestor changes when a module above it is fully sharded):
+    the old entries of these states in ``modules``' records are dropped first.
+    A slot's spec is the one its parameter was sharded with, if it was.
+    """
+    ids = {id(st) for st in states}
+    for m in modules:
+        record = holder_record(m)
+        if record is not None and record.owned:
+            for name in [n for n, (st, _) in record.owned.items() if id(st) in ids]:
+                del record.owned[name]
+    for st, own in zip(states, slots):
+        for sl in own:
+            sl.spec = applied_spec(sl.param) or sl.spec
+            holder_record(sl.holder, create=True).owned[sl.name] = (st, sl)
+        st.set_slots(own)
 
 
 def registry_size() -> int:

@@ -95,6 +95,8 @@ from ._state import (
     FSDPState,
     MixedPrecisionPolicy,
     ReplicateState,
+    Slot,
+    assign_ownership,
     copy_records,
     fsdp_state,
     holder_record,
@@ -211,8 +213,32 @@ def fully_shard(
     this sharding with ``assign=False`` and ``assign=True`` alike and moves
     nothing from the device to the host (see the module docstring).
     """
-    import torch_xla
+    ignored = _checked_arguments(module, reshard_after_forward, shard_placement_fn, mp_policy, ignored_params)
+    mesh, axis = resolve_mesh(mesh)
+    found, fsdp, slots_of = _plan(module, mesh, axis, ignored, shard_placement_fn)
+    buffers = managed_buffers(found.own, module)
+    check_buffers(buffers)
+    # Every check passed: from here on the module and its parameters change.
+    _apply(module, mesh, slots_of[id(module)], buffers,
+           FSDPState(mesh, axis, reshard_after_forward, shard_placement_fn, mp_policy, set(ignored)))
+    assign_ownership(found.tree.modules, [_state(m) for m in fsdp], [slots_of[id(m)] for m in fsdp])
+    for m in fsdp:
+        for sl in slots_of[id(m)]:
+            hook_loads(sl.holder)
+        hook_loads(m)
+    # Dynamo's marks: module's tree, minus everything a replicated module reaches.
+    inside_replicated = {id(sub) for r in found.replicated for sub in _traversal.module_tree(r).modules}
+    managed = [m for m in found.own.modules if id(m) not in inside_replicated]
+    mark_managed(managed, True)
+    # LayerNorm without PyTorch's batch-norm fallback, which GSPMD replicates.
+    partition_layer_norms(managed)
+    return module  # type: ignore[return-value]
 
+
+def _checked_arguments(module: nn.Module, reshard_after_forward: bool, shard_placement_fn: Callable | None,
+                       mp_policy: MixedPrecisionPolicy, ignored_params: Iterable[nn.Parameter] | None
+                       ) -> list[nn.Parameter]:
+    """``fully_shard``'s arguments checked (nothing changes yet): the ignored parameters as a list."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if is_fully_sharded(module):
@@ -230,10 +256,18 @@ def fully_shard(
     for p in ignored:
         if not isinstance(p, nn.Parameter):
             raise TypeError(f"ignored_params must contain nn.Parameter objects, got {type(p).__name__}")
-    mesh, axis = resolve_mesh(mesh)
-    size = axis_size(mesh, axis)
+    return ignored
 
-    # Plan over the whole enclosing fully sharded tree, as if module were already sharded: one walk.
+
+def _plan(module: nn.Module, mesh: Any, axis: str | int, ignored: list[nn.Parameter],
+          shard_placement_fn: Callable | None) -> tuple[Any, list[nn.Module], dict[int, list[Slot]]]:
+    """Ownership over the whole enclosing fully sharded tree, as if ``module`` were already sharded (one walk).
+
+    Returns the survey, the fully sharded modules of the tree (``module``
+    among them) and each one's slots, keyed by ``id``. The slots ``module``
+    newly shards get their partition spec; a conflict with a sharding a
+    parameter already has raises. Nothing changes yet.
+    """
     found = survey(module)
     fsdp = fully_sharded_in(found.tree, module)
     all_ignored = list(ignored)
@@ -241,10 +275,8 @@ def fully_shard(
         if m is not module:
             all_ignored.extend(_state(m).ignored_params)
     slots_of = plan(found.tree, {id(m) for m in fsdp}, all_ignored)
-
-    # Validate the parameters this module will newly shard.
-    slots = slots_of[id(module)]
-    for slot in slots:
+    size = axis_size(mesh, axis)
+    for slot in slots_of[id(module)]:
         p = slot.param
         if p.device.type not in ("cpu", "xla"):
             raise ValueError(f"{slot.fqn} is on {p.device}; fully_shard moves parameters from the CPU to the XLA "
@@ -259,39 +291,20 @@ def fully_shard(
         if existing and existing != spec_string(mesh, slot.spec, p):
             raise ValueError(f"{slot.fqn} already has the sharding {existing}, which conflicts with fully_shard's "
                              f"{slot.spec} over the '{axis}' axis; clear it or pass a matching shard_placement_fn")
-    buffers = managed_buffers(found.own, module)
-    check_buffers(buffers)
+    return found, fsdp, slots_of
 
-    # Apply: move, shard, annotate gradients, attach the state.
+
+def _apply(module: nn.Module, mesh: Any, slots: list[Slot], buffers: Any, state: FSDPState) -> None:
+    """Move and shard ``module``'s new parameters and its buffers, attach ``state``, swap the class."""
+    import torch_xla
+
     device = torch_xla.device()
     for slot in slots:
         if applied_spec(slot.param) is None:
             shard_new(slot.param, mesh, slot.spec, device)
     move_buffers(buffers, device)
-    state = FSDPState(mesh, axis, reshard_after_forward, shard_placement_fn, mp_policy, set(ignored))
     register_fsdp(module, state)
     module.__class__ = _fsdp_class(type(module))
-    states = {id(_state(m)) for m in fsdp}
-    for m in found.tree.modules:  # ownership may have moved between states (shared parameters)
-        record = holder_record(m)
-        if record is not None and record.owned:
-            for name in [n for n, (st, _) in record.owned.items() if id(st) in states]:
-                del record.owned[name]
-    for m in fsdp:
-        s = _state(m)
-        for sl in slots_of[id(m)]:
-            sl.spec = applied_spec(sl.param) or sl.spec
-            holder_record(sl.holder, create=True).owned[sl.name] = (s, sl)
-            hook_loads(sl.holder)
-        s.set_slots(slots_of[id(m)])
-        hook_loads(m)
-    # Dynamo's marks: module's tree, minus everything a replicated module reaches.
-    inside_replicated = {id(sub) for r in found.replicated for sub in _traversal.module_tree(r).modules}
-    managed = [m for m in found.own.modules if id(m) not in inside_replicated]
-    mark_managed(managed, True)
-    # LayerNorm without PyTorch's batch-norm fallback, which GSPMD replicates.
-    partition_layer_norms(managed)
-    return module  # type: ignore[return-value]
 
 
 def replicate(module: nn.Module, *, mesh: Any = None) -> nn.Module:
