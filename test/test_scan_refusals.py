@@ -277,3 +277,45 @@ def test_a_module_imported_while_tracing_is_not_taken_for_a_host_draw(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
     # The scan ran, and the first trace's draws (the import's) were undone before the second trace.
     assert "ok True True" in proc.stdout, proc.stdout
+
+
+def test_overlapping_traces_on_two_threads_leave_execution_switched_on(device):
+    # Thread a's trace starts first and ends first, inside thread b's: the order in which a save and
+    # restore per trace would leave torch_xla's process-wide execution switch off for good.
+    import threading
+
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    results, errors = {}, []
+
+    def step_a(c, x):
+        a_in.set()
+        assert b_in.wait(60)
+        return c + x, None
+
+    def step_b(c, x):
+        b_in.set()
+        assert a_done.wait(60)
+        return c * 2 + x, None
+
+    def run(name, step):
+        try:
+            if name == "b":
+                assert a_in.wait(60)
+            c, _ = txe.scan(step, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
+            results[name] = c
+        except BaseException as error:  # reported below; the other thread must not hang on it
+            errors.append(error)
+            a_in.set(), b_in.set()
+        finally:
+            if name == "a":
+                a_done.set()
+
+    threads = [threading.Thread(target=run, args=(n, s)) for n, s in (("a", step_a), ("b", step_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert torch_xla._XLAC._get_allow_execution()
+    assert results["a"].cpu().tolist() == [3.0] * 4
+    assert results["b"].cpu().tolist() == [7.0] * 4  # 0 -> 1 -> 3 -> 7

@@ -14,7 +14,8 @@ while ``fn`` is traced:
   inside torch_xla instead of crashing, and :func:`tracing` turns that error
   into a :class:`ScanUnsupportedError`. The switch is process-wide: another
   thread that makes torch_xla execute during those milliseconds gets
-  torch_xla's "Unexpected execution" error (README, *What scan refuses*);
+  torch_xla's "Unexpected execution" error (README, *What scan refuses*), and
+  overlapping traces on several threads share it (:class:`_ExecutionSwitch`);
 * a scan inside ``fn`` is refused (nested scans are not supported);
 * a draw from a host random generator (torch's CPU generator, Python's
   ``random``, numpy's global state) is refused and the generators are put back:
@@ -50,6 +51,37 @@ _local = threading.local()
 
 #: torch_xla's message when it is asked to execute while execution is switched off.
 _EXECUTION_REFUSED = "Unexpected execution happens inside the compiled function"
+
+
+class _ExecutionSwitch:
+    """torch_xla's process-wide execution switch, held off while any thread traces.
+
+    Traces on several threads overlap in any order; a plain save and restore
+    per trace would leave execution off for good when one trace starts inside
+    another thread's and ends after it. The first trace to start saves the
+    switch and the last to end puts it back.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._saved = True
+
+    def off(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._saved = xlac()._get_allow_execution()
+                xlac()._set_allow_execution(False)
+            self._active += 1
+
+    def restore(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                xlac()._set_allow_execution(self._saved)
+
+
+_execution = _ExecutionSwitch()
 
 def describe_callable(fn: object) -> str:
     """``name (file:line)`` of a function, method or module's forward, for messages.
@@ -101,12 +133,10 @@ def _rng_changed(before: tuple, after: tuple) -> list[str]:
 @contextlib.contextmanager
 def tracing(api: str = "scan") -> Iterator[None]:
     """The scope in which a step function runs on placeholders (see the module docstring)."""
-    X = xlac()
-    allowed = X._get_allow_execution()
     rng = _host_rng_state()
     modules = len(sys.modules)
     _local.depth = getattr(_local, "depth", 0) + 1
-    X._set_allow_execution(False)
+    _execution.off()
     try:
         yield
     except RuntimeError as error:
@@ -121,7 +151,7 @@ def tracing(api: str = "scan") -> Iterator[None]:
             f"for a data-dependent selection), or do the read outside fn."
         ) from None
     finally:
-        X._set_allow_execution(allowed)
+        _execution.restore()
         _local.depth -= 1
         after = _host_rng_state()
         drawn = _rng_changed(rng, after)
