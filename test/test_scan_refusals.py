@@ -279,43 +279,41 @@ def test_a_module_imported_while_tracing_is_not_taken_for_a_host_draw(tmp_path):
     assert "ok True True" in proc.stdout, proc.stdout
 
 
-def test_overlapping_traces_on_two_threads_leave_execution_switched_on(device):
-    # Thread a's trace starts first and ends first, inside thread b's: the order in which a save and
-    # restore per trace would leave torch_xla's process-wide execution switch off for good.
+def test_scan_layers_on_shared_layers_from_several_threads_computes_the_loop(device):
+    # Each call swaps layers[0]'s parameters while it traces (functional_call), flips torch_xla's
+    # process-wide execution switch and runs AOTAutograd, which is not thread-safe: calls from several
+    # threads run one at a time. Unserialized, this failed inside AOTAutograd, read another thread's
+    # swapped-in tensors as weights, and could leave execution switched off for good.
     import threading
 
-    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)]).to(device)
+    inputs = [torch.randn(2, 8).to(device) * (i + 1) for i in range(4)]
+
+    def loop(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    expected = [loop(x).detach().cpu() for x in inputs]
     results, errors = {}, []
 
-    def step_a(c, x):
-        a_in.set()
-        assert b_in.wait(60)
-        return c + x, None
-
-    def step_b(c, x):
-        b_in.set()
-        assert a_done.wait(60)
-        return c * 2 + x, None
-
-    def run(name, step):
+    def run(i):
         try:
-            if name == "b":
-                assert a_in.wait(60)
-            c, _ = txe.scan(step, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
-            results[name] = c
-        except BaseException as error:  # reported below; the other thread must not hang on it
+            for _ in range(3):
+                out = txe.scan_layers(layers, inputs[i])
+                out.sum().backward()
+            results[i] = out.detach()
+        except BaseException as error:  # reported below
             errors.append(error)
-            a_in.set(), b_in.set()
-        finally:
-            if name == "a":
-                a_done.set()
 
-    threads = [threading.Thread(target=run, args=(n, s)) for n, s in (("a", step_a), ("b", step_b))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(300)
     assert not errors, errors
     assert torch_xla._XLAC._get_allow_execution()
-    assert results["a"].cpu().tolist() == [3.0] * 4
-    assert results["b"].cpu().tolist() == [7.0] * 4  # 0 -> 1 -> 3 -> 7
+    for i in range(4):
+        torch.testing.assert_close(results[i].cpu(), expected[i], rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from .backend import cpu_codegen
 from .cache import _cached_plan, _Plan, global_state
 from .dynamo import refused_under_compile
 from .errors import ScanInputError, ScanUnsupportedError
-from .guard import describe_callable, refuse_nested
+from .guard import describe_callable, one_call_at_a_time, refuse_nested
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
 from .trace import Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates
@@ -320,6 +320,7 @@ def forget(captured: Captured | None, error: BaseException) -> None:
     clear_frame_locals(error)
 
 
+@one_call_at_a_time()
 def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
                xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
                ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec]]:

@@ -14,8 +14,8 @@ while ``fn`` is traced:
   inside torch_xla instead of crashing, and :func:`tracing` turns that error
   into a :class:`ScanUnsupportedError`. The switch is process-wide: another
   thread that makes torch_xla execute during those milliseconds gets
-  torch_xla's "Unexpected execution" error (README, *What scan refuses*), and
-  overlapping traces on several threads share it (:class:`_ExecutionSwitch`);
+  torch_xla's "Unexpected execution" error (README, *What scan refuses*);
+  scan calls on several threads run one at a time (:func:`one_call_at_a_time`);
 * a scan inside ``fn`` is refused (nested scans are not supported);
 * a draw from a host random generator (torch's CPU generator, Python's
   ``random``, numpy's global state) is refused and the generators are put back:
@@ -40,7 +40,8 @@ from .._frames import user_frame
 from .._xla import xlac
 from .errors import ScanUnsupportedError
 
-__all__ = ["ImportedWhileTracing", "tracing", "refuse_nested", "host_read", "user_frame", "describe_callable"]
+__all__ = ["ImportedWhileTracing", "tracing", "refuse_nested", "host_read", "user_frame", "describe_callable",
+           "one_call_at_a_time"]
 
 
 class ImportedWhileTracing(Exception):
@@ -53,35 +54,24 @@ _local = threading.local()
 _EXECUTION_REFUSED = "Unexpected execution happens inside the compiled function"
 
 
-class _ExecutionSwitch:
-    """torch_xla's process-wide execution switch, held off while any thread traces.
+#: Held by every scan and scan_layers call from its first read of its inputs to its last lazy op.
+_one_call = threading.RLock()
 
-    Traces on several threads overlap in any order; a plain save and restore
-    per trace would leave execution off for good when one trace starts inside
-    another thread's and ends after it. The first trace to start saves the
-    switch and the last to end puts it back.
+
+@contextlib.contextmanager
+def one_call_at_a_time() -> Iterator[None]:
+    """Serialize scan calls across threads (a re-entrant lock: scan_layers' autocast path calls itself).
+
+    A call mutates process-wide state while it traces: torch_xla's execution
+    switch and the host generators (process-wide), AOTAutograd's tracing
+    state (not thread-safe), and for ``scan_layers`` the template layer's
+    parameters (``torch.func.functional_call`` swaps them in place). Two
+    calls on different threads would see each other's: a stale switch left
+    off for good, another thread's placeholders stacked as weights. A trace
+    takes milliseconds of host time; calls wait for each other that long.
     """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active = 0
-        self._saved = True
-
-    def off(self) -> None:
-        with self._lock:
-            if self._active == 0:
-                self._saved = xlac()._get_allow_execution()
-                xlac()._set_allow_execution(False)
-            self._active += 1
-
-    def restore(self) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                xlac()._set_allow_execution(self._saved)
-
-
-_execution = _ExecutionSwitch()
+    with _one_call:
+        yield
 
 def describe_callable(fn: object) -> str:
     """``name (file:line)`` of a function, method or module's forward, for messages.
@@ -136,7 +126,9 @@ def tracing(api: str = "scan") -> Iterator[None]:
     rng = _host_rng_state()
     modules = len(sys.modules)
     _local.depth = getattr(_local, "depth", 0) + 1
-    _execution.off()
+    X = xlac()
+    allowed = X._get_allow_execution()  # calls are serialized (one_call_at_a_time): no other trace overlaps
+    X._set_allow_execution(False)
     try:
         yield
     except RuntimeError as error:
@@ -151,7 +143,7 @@ def tracing(api: str = "scan") -> Iterator[None]:
             f"for a data-dependent selection), or do the read outside fn."
         ) from None
     finally:
-        _execution.restore()
+        X._set_allow_execution(allowed)
         _local.depth -= 1
         after = _host_rng_state()
         drawn = _rng_changed(rng, after)

@@ -16,7 +16,7 @@ from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .groups import layer_groups
-from .guard import describe_callable, refuse_nested
+from .guard import describe_callable, one_call_at_a_time, refuse_nested
 from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_hooks, check_members,
                           describe_difference, layer_state, value_key)
 from .lift import ValueIdentity
@@ -199,6 +199,7 @@ def scan_layers(
 
 
 @refused_under_compile
+@one_call_at_a_time()
 def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | tuple[torch.Tensor, ...],
                  args: tuple, kwargs: dict[str, Any], partition_fn: Callable | None,
                  is_layer_pure: bool, peel: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
