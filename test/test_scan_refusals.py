@@ -317,3 +317,46 @@ def test_scan_layers_on_shared_layers_from_several_threads_computes_the_loop(dev
     assert torch_xla._XLAC._get_allow_execution()
     for i in range(4):
         torch.testing.assert_close(results[i].cpu(), expected[i], rtol=1e-5, atol=1e-5)
+
+
+def test_fn_changing_the_python_state_it_computes_with_is_refused(device):
+    # The loop would multiply by 1, 2, 3; one trace for all iterations would multiply by one value.
+    calls = [0]
+
+    def counting(c, x):
+        calls[0] += 1
+        return c * calls[0] + x, None
+
+    with pytest.raises(txe.ScanUnsupportedError,
+                       match=r"counting \(.*test_scan_refusals.py:\d+\), traced twice in one call"):
+        txe.scan(counting, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
+
+    class Clocked(torch.nn.Module):  # a value that changes between runs (a clock), as an attribute read
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.ticks = iter(range(1, 10**6))
+
+        def forward(self, h):
+            return self.lin(h) * next(self.ticks)
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Clocked() for _ in range(3)]).to(device)
+    with pytest.raises(txe.ScanUnsupportedError, match="traced twice in one call"):
+        txe.scan_layers(layers, torch.ones(2, 4, device=device))
+    assert torch_xla._XLAC._get_allow_execution()
+
+
+def test_side_effects_that_do_not_change_the_computation_still_run_once_per_cached_call(device):
+    log = []
+
+    def logging_step(c, x):
+        log.append("traced")  # not read back: the two traces of a lowering call agree
+        return c + x, None
+
+    init, xs = torch.zeros(4, device=device), torch.ones(3, 4, device=device)
+    c, _ = txe.scan(logging_step, init, xs)
+    assert c.cpu().tolist() == [3.0] * 4
+    assert log == ["traced", "traced"]  # the call that lowered the loop traced twice
+    txe.scan(logging_step, init, xs)
+    assert log == ["traced"] * 3  # a cached call traces once

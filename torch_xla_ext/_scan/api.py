@@ -154,7 +154,8 @@ def scan(
         and its control flow the same between calls (pass a number that
         changes every step, a learning rate say, as a tensor). Side effects
         outside torch run once per call, at trace time, not once per
-        iteration. Calls into torch_xla's own ops (``xm.*``,
+        iteration (twice in a call that lowers a new loop: ``fn`` is traced
+        again and must trace the same, or ``ScanUnsupportedError``). Calls into torch_xla's own ops (``xm.*``,
         ``xs.mark_sharding``) are not torch calls and are not compared: keep
         their non-tensor arguments fixed between calls. False: lower and
         compile on every call.
@@ -281,11 +282,46 @@ def cache_key(captured: Captured, init_spec: pytree.TreeSpec, x_spec: pytree.Tre
             bool(captured.written), cpu_codegen(), captured.traced.fingerprint, extra)
 
 
-def plan(owner: Callable, key: tuple, captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor],
-         length: int, reverse: bool, partition_fn: Callable | None, pure: bool) -> _Plan:
-    """Stage 3, plan: the cached plan of ``owner`` (held weakly) for ``key``, or the loops lowered now."""
-    return _cached_plan(owner, key, lambda: _make_plan(captured.step, captured.traced, init_l, xs_l, length,
-                                                      reverse, partition_fn), pure)
+def plan(owner: Callable, key: tuple, captured: Captured, recapture: Callable[[], Captured],
+         init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int, reverse: bool,
+         partition_fn: Callable | None, pure: bool) -> _Plan:
+    """Stage 3, plan: the cached plan of ``owner`` (held weakly) for ``key``, or the loops lowered now.
+
+    Before lowering, ``fn`` is captured once more (``recapture``) and must
+    trace the same: see :func:`_refuse_self_changing`.
+    """
+    def make() -> _Plan:
+        _refuse_self_changing(captured, recapture, owner)
+        return _make_plan(captured.step, captured.traced, init_l, xs_l, length, reverse, partition_fn)
+
+    return _cached_plan(owner, key, make, pure)
+
+
+def _refuse_self_changing(captured: Captured, recapture: Callable[[], Captured], fn: Callable) -> None:
+    """Refuse a ``fn`` whose second trace in the same call differs from its first.
+
+    Such a ``fn`` computes with Python state it changes itself (a counter in
+    a closure or attribute, the length of a list it appends to) or with a
+    value that changes between runs (``time.time()``): the Python loop would
+    run it with a new value in every iteration, a lowered loop runs one trace
+    for all. Checked only when a loop is about to be lowered (a few
+    milliseconds next to a compile), so ``fn``'s Python side effects run
+    twice in such a call.
+    """
+    again = recapture()
+    captured.made += again.made
+    same = (again.traced.fingerprint == captured.traced.fingerprint and again.written == captured.written
+            and [id(t) for t in again.outside] == [id(t) for t in captured.outside])
+    again.traced = again.step = None  # type: ignore[assignment]
+    del again
+    if not same:
+        raise ScanUnsupportedError(
+            f"scan: fn, {describe_callable(fn)}, traced twice in one call, computed two different things: it "
+            f"reads Python state that it changes itself (a counter in a closure or an attribute, the length of "
+            f"a list it appends to) or a value that changes between runs (time.time()). The Python loop would "
+            f"run fn with a new value in every iteration; a traced loop runs one trace for all of them. Keep "
+            f"such state outside fn and pass it in as a tensor (in xs, or in the carry)."
+        )
 
 
 def run(plan: _Plan, captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int
@@ -328,7 +364,8 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     captured = capture(fn, init_spec, x_spec, init_l, xs_l)
     try:
         key = cache_key(captured, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn)
-        chosen = plan(fn, key, captured, init_l, xs_l, length, reverse, partition_fn, pure)
+        chosen = plan(fn, key, captured, lambda: capture(fn, init_spec, x_spec, init_l, xs_l), init_l, xs_l,
+                      length, reverse, partition_fn, pure)
         captured.release(fn)
         carry_l, ys, _ = run(chosen, captured, init_l, xs_l, length)
         return carry_l, ys

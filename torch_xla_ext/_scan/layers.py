@@ -247,9 +247,12 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
     carry_l, length = list(carry), len(layers)
     captured = None
     try:
+        def capture() -> stages.Captured:
+            return stages.capture(_layer_step(template, names, shapes, call), carry_spec, x_spec, carry_l, stacked,
+                                  keep_written=True)
+
         try:
-            captured = stages.capture(_layer_step(template, names, shapes, call), carry_spec, x_spec, carry_l,
-                                      stacked, keep_written=True)
+            captured = capture()
         except _DtypeChanged:
             if not peel or len(layers) < 2:
                 raise
@@ -266,7 +269,7 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
                           lambda step: captured.retrace(step, carry_spec, x_spec))
         key = stages.cache_key(captured, carry_spec, x_spec, carry_l, stacked, length, False, partition_fn,
                                extra=("scan_layers", tuple(names), tuple(shapes), call_key))
-        chosen = stages.plan(template, key, captured, carry_l, stacked, length, False, partition_fn,
+        chosen = stages.plan(template, key, captured, capture, carry_l, stacked, length, False, partition_fn,
                              is_layer_pure)
         captured.release(template)
         out, _, updated = stages.run(chosen, captured, carry_l, stacked, length)
