@@ -347,3 +347,39 @@ def test_the_scan_fsdp_contract_is_read_by_name_and_scoped_to_the_trace(device):
             assert in_scan_autograd_trace()
         assert in_scan_autograd_trace()
     assert not in_scan_autograd_trace()
+
+
+# ------------------------------------------------------------------ inference mode
+
+
+def test_scan_and_scan_layers_under_inference_mode_compute_the_loop(device):
+    # Inference tensors have no version counter, which the trace reads: it used to fail with
+    # "Inference tensors do not track version counter".
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    xs = torch.randn(3, 2, 8)
+    cpu_layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)])
+    layers = copy.deepcopy(cpu_layers).to(device)
+    w_d = w.to(device)
+
+    def step(c, x):
+        c = torch.tanh(c @ w_d + x)
+        return c, c.sum()
+
+    def step_cpu(c, x):
+        c = torch.tanh(c @ w + x)
+        return c, c.sum()
+
+    def loop(h):
+        for layer in cpu_layers:
+            h = layer(h)
+        return h
+
+    with torch.inference_mode():
+        got = txe.scan(step, torch.zeros(2, 8, device=device), xs.to(device))
+        got_layers = txe.scan_layers(layers, xs[0].to(device))
+        want = python_scan(step_cpu, torch.zeros(2, 8), xs)
+        want_layers = loop(xs[0])
+    assert not got[0].requires_grad and not got_layers.requires_grad
+    assert_close_trees(got, want, reduction_size=8)
+    assert_close_trees(got_layers, want_layers, reduction_size=8)

@@ -59,6 +59,21 @@ def _rng_state_kept():
         xm.set_rng_state(state)
 
 
+@contextlib.contextmanager
+def _ordinary_tensors():
+    """Under ``torch.inference_mode``, trace with ordinary tensors, grad mode still off.
+
+    Inference tensors have no version counter, and the trace reads version
+    counters to see which inputs ``fn`` writes. The trace's tensors never
+    leave it; the loop it lowers runs in the caller's mode.
+    """
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 class _Traced(NamedTuple):
     """One lazy trace of a flat step function on placeholders."""
 
@@ -87,11 +102,13 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
     made: list[weakref.ref] = []
     try:
         try:
-            return _trace_on_placeholders(step, carry, x, outside, made)
+            with _ordinary_tensors():
+                return _trace_on_placeholders(step, carry, x, outside, made)
         except ImportedWhileTracing:
             neutralize_made(made)
             made.clear()
-            return _trace_on_placeholders(step, carry, x, outside, made)
+            with _ordinary_tensors():
+                return _trace_on_placeholders(step, carry, x, outside, made)
     except BaseException as error:
         clear_frame_locals(error)
         # fn may have kept tensors before it failed (or was refused): no later sync may run them.
