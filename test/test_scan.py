@@ -383,6 +383,26 @@ def test_bound_methods_are_cached(device):
     torch.testing.assert_close(carry.cpu(), torch.full((3,), 1.5))
 
 
+def test_a_lambda_made_anew_each_step_reuses_its_loop_and_reads_its_own_closure(device):
+    # Functions are cached under their code: a lambda written inside a training step is a new object every
+    # step and used to lower its loop again every time. Closures of one code over other tensors or numbers
+    # must still compute with their own.
+    def make(w, scale):
+        return lambda c, x: (torch.tanh(c @ w) * scale + x, None)
+
+    ws = [torch.randn(4, 4) for _ in range(3)]
+    init, xs_ = torch.randn(2, 4), torch.randn(3, 2, 4)
+    cases = [(ws[0], 1.0), (ws[1], 1.0), (ws[2], 1.0), (ws[0], 0.5), (ws[1], 0.5)]
+    before = scan_cache_info()
+    for w, scale in cases:
+        got, _ = txe.scan(make(w.to(device), scale), init.to(device), xs_.to(device))
+        want, _ = python_scan(make(w, scale), init, xs_)
+        assert_close_derived(got, want, reduction_size=4)
+    after = scan_cache_info()
+    # One loop per distinct trace (the two scales), reused by the other closures.
+    assert after.traces - before.traces == 2 and after.hits - before.hits == 3
+
+
 # -------------------------------------------------------------------------- errors
 
 

@@ -149,7 +149,8 @@ def scan(
         arguments, the same role for every tensor argument)
         and the inputs have the same structure, shapes, dtypes, shardings and
         ``requires_grad`` flags; otherwise ``fn`` is lowered and compiled again
-        (at most 16 loops are kept per ``fn``; see :func:`scan_cache_info`).
+        (at most 16 loops are kept per ``fn``, per code object for plain
+        functions and lambdas; see :func:`scan_cache_info`).
         For reuse to pay off, keep the Python numbers ``fn`` passes to torch
         and its control flow the same between calls (pass a number that
         changes every step, a learning rate say, as a tensor). Side effects

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -116,8 +117,17 @@ def _cache_slot(fn: Callable, key: tuple) -> tuple[Any, tuple]:
     """The object the cache holds weakly for ``fn`` (None: not cacheable) and the full key.
 
     A bound method is a new object on every attribute access, so it is cached
-    under its instance, keyed also by its function.
+    under its instance, keyed also by its function. A plain function is
+    cached under its code: a lambda written inside a training step is a new
+    function object on every step, and keyed by itself it would lower its
+    loop again every step (tens of milliseconds of host time each). Sharing
+    is safe because a plan is a function of the trace alone: every call
+    traces ``fn`` and the key holds that trace's fingerprint, so two functions
+    with one code (and other closures) reuse a plan only where they trace
+    the same; their outside tensors are read from each call's own trace.
     """
+    if isinstance(fn, types.FunctionType):
+        return fn.__code__, key
     owner, func = (fn.__self__, fn.__func__) if inspect.ismethod(fn) else (fn, None)
     try:
         weakref.ref(owner)
