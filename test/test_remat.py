@@ -10,6 +10,7 @@ import torch
 import torch_xla_ext as txe
 from torch_xla_ext import remat
 from torch_xla_ext._scan import cache
+from torch_xla_ext.scan import clear_scan_cache
 
 from scan_blocks import make_blocks
 from scan_reference import assert_close_derived
@@ -19,11 +20,13 @@ N, D = 4, 8
 
 def _stacked_saved(fn) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Signatures of the activations the forward loop of fn's (only) cached plan stacks for the backward."""
-    (plan,) = [p for p in cache._cache[fn].values() if p.grad is not None]
+    owner, _ = cache._cache_slot(fn, ())  # a function's plans live under its code
+    (plan,) = [p for p in cache._cache[owner].values() if p.grad is not None]
     return list(plan.grad.saved_sig[:plan.grad.num_stacked])
 
 
 def _run(device, policy):
+    clear_scan_cache()  # fn's plans live under its code, shared by every _run: keep this policy's only
     torch.manual_seed(0)
     w1, w2 = (torch.randn(D, D).div(math.sqrt(D)).to(device).requires_grad_() for _ in range(2))
 
