@@ -10,22 +10,14 @@ Run in a child process, with both mapping implementations.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-_CHILD = textwrap.dedent('''
-    import os, sys
-    os.environ.setdefault("PJRT_DEVICE", "CPU"); os.environ.setdefault("CPU_NUM_DEVICES", "8")
-    import numpy as np, torch, torch_xla, torch_xla.runtime as xr
-    import torch_xla.distributed.spmd as xs
-    xr.use_spmd()
+from child_process import SPMD_CHILD, run_surviving
+
+_CHILD = SPMD_CHILD + textwrap.dedent('''
     from torch_xla_ext import LoweringContext
-    dev = torch_xla.device()
-    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
     impl = sys.argv[1]
 
     def mapped_pair():
@@ -57,14 +49,10 @@ _CHILD = textwrap.dedent('''
 
 @pytest.mark.parametrize("impl", ["native", "fallback"])
 def test_cloned_mapped_tensors_are_independent_and_writing_a_mapped_one_in_place_is_catchable(tmp_path, impl):
-    script = tmp_path / "aliasing.py"
-    script.write_text(_CHILD)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
-    proc = subprocess.run([sys.executable, str(script), impl], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"child exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "cloned True True", proc.stdout
+    stdout = run_surviving(tmp_path, _CHILD, impl)
+    lines = stdout.splitlines()
+    assert lines[0] == "cloned True True", stdout
     # torch_xla 2.9 (pinned) donates the shared buffer: what README states. A release that stops doing so
     # fails this line, and README's contract can then be relaxed.
-    assert lines[1] == "in place: original unreadable, catchable", proc.stdout
-    assert lines[2] == "mapped True", proc.stdout
+    assert lines[1] == "in place: original unreadable, catchable", stdout
+    assert lines[2] == "mapped True", stdout

@@ -10,22 +10,14 @@ run in a child process, ten rounds each, with both mapping implementations.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-_CHILD = textwrap.dedent('''
-    import gc, os, sys
-    os.environ.setdefault("PJRT_DEVICE", "CPU"); os.environ.setdefault("CPU_NUM_DEVICES", "8")
-    import numpy as np, torch, torch_xla, torch_xla.runtime as xr
-    import torch_xla.distributed.spmd as xs
-    xr.use_spmd()
+from child_process import SPMD_CHILD, run_surviving
+
+_CHILD = SPMD_CHILD + textwrap.dedent('''
     from torch_xla_ext import LoweringContext
-    dev = torch_xla.device()
-    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
     impl = sys.argv[1]
     for round in range(10):
         # The issue's sequence: mapped tensors outlive their originals, then a new build.
@@ -56,9 +48,4 @@ _CHILD = textwrap.dedent('''
 
 @pytest.mark.parametrize("impl", ["native", "fallback"])
 def test_build_and_ids_right_after_a_sync_never_crash(tmp_path, impl):
-    script = tmp_path / "in_flight.py"
-    script.write_text(_CHILD)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
-    proc = subprocess.run([sys.executable, str(script), impl], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"child exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert f"survived {impl}" in proc.stdout
+    assert f"survived {impl}" in run_surviving(tmp_path, _CHILD, impl)
