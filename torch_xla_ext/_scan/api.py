@@ -156,10 +156,10 @@ def scan(
         changes every step, a learning rate say, as a tensor). Side effects
         outside torch run once per call, at trace time, not once per
         iteration (twice in a call that lowers a new loop: ``fn`` is traced
-        again and must trace the same, or ``ScanUnsupportedError``). Calls into torch_xla's own ops (``xm.*``,
-        ``xs.mark_sharding``) are not torch calls and are not compared: keep
-        their non-tensor arguments fixed between calls. False: lower and
-        compile on every call.
+        again and must trace the same, or ``ScanUnsupportedError``). Calls
+        into torch_xla's own ops (``xm.*``, ``xs.mark_sharding``) are not
+        torch calls and are not compared: keep their non-tensor arguments
+        fixed between calls. False: lower and compile on every call.
 
     Returns:
       ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.
@@ -222,6 +222,8 @@ class Captured:
 
     step: Callable               # fn on flat leaves, as traced (the written x leaves appended to its ys)
     traced: _Traced | None       # the lifting trace; dropped by :meth:`release`
+    init_spec: pytree.TreeSpec
+    x_spec: pytree.TreeSpec | None
     carry_sig: list[Sig]
     x_sig: list[Sig]
     outside: list[torch.Tensor]  # the outside tensors fn read on this call: loop operands
@@ -230,9 +232,9 @@ class Captured:
     y_none: tuple[bool, ...]     # per y leaf: fn returned None there
     made: list[weakref.ref]      # every XLA tensor the traces made (see refuse_kept_intermediates)
 
-    def retrace(self, fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None) -> _Traced:
-        """Another ``fn`` traced on this capture's placeholders' signatures (scan_layers' other layers)."""
-        traced = _trace(_flat_step(fn, init_spec, x_spec, {}), self.carry_sig, self.x_sig)
+    def retrace(self, fn: Callable) -> _Traced:
+        """Another ``fn`` traced on this capture's signatures (scan_layers' other layers)."""
+        traced = _trace(_flat_step(fn, self.init_spec, self.x_spec, {}), self.carry_sig, self.x_sig)
         self.made += traced.made
         return traced
 
@@ -270,15 +272,15 @@ def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | 
             neutralize_made(made)
             raise
         made += traced.made
-    return Captured(step, traced, carry_sig, x_sig, traced.outside, written, found["y_spec"], found["y_none"], made)
+    return Captured(step, traced, init_spec, x_spec, carry_sig, x_sig, traced.outside, written, found["y_spec"],
+                    found["y_none"], made)
 
 
-def cache_key(captured: Captured, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None,
-              init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int, reverse: bool,
+def cache_key(captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int, reverse: bool,
               partition_fn: Callable | None, extra: tuple = ()) -> tuple:
     """Stage 2, key: what a cached plan must match (``extra``: what the caller passes ``fn`` that no trace shows)."""
     operands = init_l + xs_l + captured.outside
-    return (init_spec, x_spec, tuple(_signature(t) for t in operands), tuple(_canonical_specs(operands)),
+    return (captured.init_spec, captured.x_spec, tuple(_signature(t) for t in operands), tuple(_canonical_specs(operands)),
             tuple(t.requires_grad for t in operands), global_state(), length, reverse, partition_fn,
             bool(captured.written), cpu_codegen(), captured.traced.fingerprint, extra)
 
@@ -364,7 +366,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec))``."""
     captured = capture(fn, init_spec, x_spec, init_l, xs_l)
     try:
-        key = cache_key(captured, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn)
+        key = cache_key(captured, init_l, xs_l, length, reverse, partition_fn)
         chosen = plan(fn, key, captured, lambda: capture(fn, init_spec, x_spec, init_l, xs_l), init_l, xs_l,
                       length, reverse, partition_fn, pure)
         captured.release(fn)

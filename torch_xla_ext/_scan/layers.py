@@ -21,7 +21,7 @@ from .homogeneous import (attribute_groups, attribute_key, attribute_values, che
                           describe_difference, layer_state, value_key)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
-from .trace import _Traced, refuse_kept_intermediates
+from .trace import refuse_kept_intermediates
 
 
 class _Call(NamedTuple):
@@ -265,9 +265,8 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
                 raise
             return _scan_layers(layers[1:], first, args, kwargs, partition_fn, is_layer_pure, peel=False)
         _check_only_buffers(template, names, captured.written)
-        _check_same_trace(layers, groups, names, shapes, call, captured,
-                          lambda step: captured.retrace(step, carry_spec, x_spec))
-        key = stages.cache_key(captured, carry_spec, x_spec, carry_l, stacked, length, False, partition_fn,
+        _check_same_trace(layers, groups, names, shapes, call, captured)
+        key = stages.cache_key(captured, carry_l, stacked, length, False, partition_fn,
                                extra=("scan_layers", tuple(names), tuple(shapes), call_key))
         chosen = stages.plan(template, key, captured, capture, carry_l, stacked, length, False, partition_fn,
                              is_layer_pure)
@@ -295,8 +294,7 @@ def _check_only_buffers(template: torch.nn.Module, names: list[str], written: li
 
 
 def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], names: list[str],
-                      shapes: list[tuple[int, ...]], call: _Call, captured: stages.Captured,
-                      retrace: Callable[[Callable], _Traced]) -> None:
+                      shapes: list[tuple[int, ...]], call: _Call, captured: stages.Captured) -> None:
     """Trace one layer of each attribute group; refuse a group whose trace is not the template's."""
     template, traced = layers[0], captured.traced
     with _verified_lock:
@@ -306,7 +304,7 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
         seen = (attribute_key(layers[k]), traced.fingerprint)
         if seen in verified:
             continue
-        other = retrace(_layer_step(layers[k], names, shapes, call))
+        other = captured.retrace(_layer_step(layers[k], names, shapes, call))
         same = (other.fingerprint == traced.fingerprint and other.mutated == traced.mutated
                 and [id(t) for t in other.outside] == [id(t) for t in traced.outside])
         made = other.made
