@@ -1,5 +1,5 @@
-"""How fully_shard gathers: one gather per parameter, a regather of each saved weight (views included), and the
-regather's check for parameters written in place."""
+"""How fully_shard gathers: kept, one gather per parameter; resharded, none (autograd saves the sharded
+parameters and the partitioner gathers them at each use); and a backward after an in-place write."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds the
 from fsdp_helpers import LAYERS, TRAIN_TOL, batch, loss_fn, shard_decoder, tiny_decoder
 
 
-def test_forward_gathers_each_parameter_once(device, mesh):
-    model = shard_decoder(tiny_decoder(use_scan=False), mesh)
+def test_forward_gathers_each_parameter_once_when_kept(device, mesh):
+    model = shard_decoder(tiny_decoder(use_scan=False), mesh, reshard_after_forward=False)
     _, (tx, _) = batch(device, mesh)
     ctx = txe.LoweringContext("forward")
     ctx.build([model(tx)])
@@ -31,10 +31,10 @@ def test_forward_gathers_each_parameter_once(device, mesh):
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 def test_backward_after_an_in_place_write_to_a_parameter(device, mesh, reshard):
-    # Resharding after forward gathers a saved parameter again in the backward (a
-    # LayerNorm weight is saved as it is): after an in-place write that would
-    # differentiate at the new values, so it must raise, as autograd does for a saved
-    # tensor written in place. Kept gathered, the backward uses the forward's values.
+    # Resharding after forward, autograd saves the sharded parameter itself (a
+    # LayerNorm weight as it is): after an in-place write the backward would
+    # differentiate at the new values, so autograd's own version check raises.
+    # Kept gathered, the backward uses the forward's gathered values.
     model = tiny_decoder(use_scan=False)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
@@ -45,7 +45,7 @@ def test_backward_after_an_in_place_write_to_a_parameter(device, mesh, reshard):
     with torch.no_grad():
         norm.add_(1.0)
     if reshard:
-        with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
     else:
         loss.backward()
@@ -53,13 +53,25 @@ def test_backward_after_an_in_place_write_to_a_parameter(device, mesh, reshard):
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_reshard_after_forward_gathers_each_saved_weight_again(device, mesh, reshard):
-    # linear saves weight.t(), a view of the gathered weight: resharding must gather
-    # it again in the backward (behind a barrier) instead of keeping the forward's
-    # gathered value alive until then; kept gathered, the backward reuses it.
+def test_reshard_after_forward_saves_the_sharded_parameters_for_the_backward(device, mesh, reshard):
+    # Resharding, the step holds no gathered copy of a parameter from the forward to
+    # the backward: autograd saves the sharded parameters (LayerNorm's as they are,
+    # Linear's as weight.t()) and the lowered step annotates nothing replicated, so
+    # the partitioner gathers each where it is used. Kept, every parameter is
+    # gathered once and autograd saves the gathered copies.
     model = shard_decoder(tiny_decoder(use_scan=False), mesh, reshard_after_forward=reshard)
     (_, _), (tx, gx) = batch(device, mesh)
-    loss = loss_fn(model, tx, gx)
+    params = {id(p): p for p in model.parameters()}
+    saved_params: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for candidate in (t, t._base):
+            if candidate is not None and params.get(id(candidate)) is candidate:
+                saved_params.add(id(candidate))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(model, tx, gx)
     loss.backward()
     ctx = txe.LoweringContext("step")
     ctx.build([loss] + [p.grad for p in model.parameters()])
@@ -68,11 +80,13 @@ def test_reshard_after_forward_gathers_each_saved_weight_again(device, mesh, res
         if inst.opcode == "custom-call" and inst.custom_call_target == "Sharding"
         and inst.sharding is not None and inst.sharding.is_replicated)
     torch_xla.sync()
-    expected = collections.Counter(tuple(p.shape) for p in model.parameters())  # the forward's gathers
-    if reshard:  # the weights the backward's formulas read: LayerNorm's, Linear's (as weight.t()), the tied head's
-        saved = [w for layer in model.layers for w in (layer.norm.weight, layer.up.weight, layer.down.weight)]
-        expected.update(tuple(w.shape) for w in saved + [model.embed.weight])
-    assert gathers == expected
+    read_by_backward = [w for layer in model.layers for w in (layer.norm.weight, layer.up.weight, layer.down.weight)]
+    if reshard:
+        assert {id(w) for w in read_by_backward + [model.embed.weight]} <= saved_params
+        assert not gathers
+    else:
+        assert not saved_params
+        assert gathers == collections.Counter(tuple(p.shape) for p in model.parameters())
 
 
 def test_layer_norms_lower_to_ops_gspmd_partitions(device, mesh):

@@ -332,7 +332,7 @@ def test_scan_layers_refuses_a_forward_that_writes_into_a_parameter(device):
 
 
 def test_the_scan_fsdp_contract_is_read_by_name_and_scoped_to_the_trace(device):
-    from torch_xla_ext._annotate import ANNOTATE_OP, in_scan_autograd_trace, regather_mark, scan_autograd_trace
+    from torch_xla_ext._annotate import ANNOTATE_OP, in_scan_step_trace, regather_mark, scan_step_trace
 
     class Node:  # the two fields of an FX node the contract reads
         def __init__(self, target, args, kwargs):
@@ -341,12 +341,12 @@ def test_the_scan_fsdp_contract_is_read_by_name_and_scoped_to_the_trace(device):
     assert regather_mark(Node(ANNOTATE_OP, ("t", "mesh", "spec", True), {})) is True
     assert regather_mark(Node(ANNOTATE_OP, ("t", "mesh", "spec"), {"recompute_in_backward": False})) is False
     assert regather_mark(Node(torch.ops.aten.add.Tensor, ("a", "b"), {})) is None
-    assert not in_scan_autograd_trace()
-    with scan_autograd_trace():
-        with scan_autograd_trace():
-            assert in_scan_autograd_trace()
-        assert in_scan_autograd_trace()
-    assert not in_scan_autograd_trace()
+    assert not in_scan_step_trace()
+    with scan_step_trace():
+        with scan_step_trace():
+            assert in_scan_step_trace()
+        assert in_scan_step_trace()
+    assert not in_scan_step_trace()
 
 
 # ------------------------------------------------------------------ inference mode

@@ -24,7 +24,7 @@ from ._xla import xlac
 
 __all__ = ["annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node",
            "is_fake_tensor",
-           "ANNOTATE_OP", "regather_mark", "scan_autograd_trace", "in_scan_autograd_trace", "traced"]
+           "ANNOTATE_OP", "regather_mark", "scan_step_trace", "in_scan_step_trace", "traced"]
 
 _REPLICATED = ("", "{replicated}")
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -145,8 +145,8 @@ _scan_trace = threading.local()
 
 
 @contextlib.contextmanager
-def scan_autograd_trace() -> Iterator[None]:
-    """Entered by scan while AOTAutograd traces a step (in this thread)."""
+def scan_step_trace() -> Iterator[None]:
+    """Entered by scan while it traces a step in this thread: on placeholders, or with AOTAutograd."""
     depth = getattr(_scan_trace, "depth", 0)
     _scan_trace.depth = depth + 1
     try:
@@ -155,11 +155,12 @@ def scan_autograd_trace() -> Iterator[None]:
         _scan_trace.depth = depth
 
 
-def in_scan_autograd_trace() -> bool:
-    """Whether this thread runs inside scan's AOTAutograd trace of a step.
+def in_scan_step_trace() -> bool:
+    """Whether this thread runs inside one of scan's traces of a step.
 
-    There the partitioner decides what the forward saves for the backward, so
-    fully_shard leaves its saved-tensor hooks off.
+    There fully_shard gathers the parameters of its modules with the
+    ``recompute_in_backward`` mark (see :func:`regather_mark`), in both traces
+    alike, so the trace scan caches and the one it differentiates agree.
     """
     return getattr(_scan_trace, "depth", 0) > 0
 

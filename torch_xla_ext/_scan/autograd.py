@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._annotate import behind_barrier, is_fake_tensor, regather_mark, scan_autograd_trace
+from .._annotate import behind_barrier, is_fake_tensor, regather_mark, scan_step_trace
 from .._partitionable import partitionable_ops
 from .._xla import redirected_mark_sharding, torch_xla_device
 from .errors import ScanUnsupportedError
@@ -253,7 +253,7 @@ class _GradPlan:
         args = [example(s, d, _is_float_dtype(d)) for s, d in carry]
         args += [example(s, d, g and _is_float_dtype(d)) for (s, d), g in zip(x, x_grad)]
         args += [example(t.shape, t.dtype, t.requires_grad) for t in outside]
-        with torch.enable_grad(), scan_autograd_trace():
+        with torch.enable_grad(), scan_step_trace():
             compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
                                     partition_fn=partition_fn or default_partition,
                                     decompositions=_decompositions(), enable_log=False)

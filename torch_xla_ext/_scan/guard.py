@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .._annotate import scan_step_trace
 from .._frames import user_frame
 from .._xla import xlac
 from .errors import ScanUnsupportedError
@@ -130,7 +131,8 @@ def tracing(api: str = "scan") -> Iterator[None]:
     allowed = X._get_allow_execution()  # calls are serialized (one_call_at_a_time): no other trace overlaps
     X._set_allow_execution(False)
     try:
-        yield
+        with scan_step_trace():
+            yield
     except RuntimeError as error:
         if _EXECUTION_REFUSED not in str(error) or isinstance(error, ScanUnsupportedError):
             raise

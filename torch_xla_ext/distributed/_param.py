@@ -1,4 +1,4 @@
-"""One fully sharded parameter: its mesh axis, placement, gather, regather and gradient sharding.
+"""One fully sharded parameter: its mesh axis, placement, gather and gradient sharding.
 
 Everything about a single parameter lives here; which state manages which
 parameter is decided in :mod:`._ownership`.
@@ -18,18 +18,18 @@ import torch
 import torch.nn as nn
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, behind_barrier, fresh_node, is_replicated_spec, mark_sharding
+from .._annotate import annotate_sharding, fresh_node, is_replicated_spec, mark_sharding
 from .._xla import torch_xla_device, xla_builder, xlac
 
 __all__ = [
     "Gather",
-    "Regather",
     "applied_count",
     "applied_spec",
     "axis_size",
     "current_spec",
     "default_placement",
     "grad_sharder",
+    "hook_gradient",
     "move_to",
     "place",
     "record_applied",
@@ -177,18 +177,27 @@ def shard_new(p: nn.Parameter, mesh: Any, spec: tuple, device: torch.device) -> 
     if any(s is not None for s in spec):
         mark_sharding(p, mesh, spec)
     record_applied(p, spec)
-    _hook_gradient(p, mesh, spec)
+    hook_gradient(p, mesh, spec)
 
 
-def _hook_gradient(p: nn.Parameter, mesh: Any, spec: tuple) -> None:
-    """Give ``p``'s gradients its sharding: a hook, for a parameter that requires grad.
+# Parameters whose gradient hook is registered. Keyed by identity, held weakly.
+_hooked: WeakIdMap = WeakIdMap()
 
-    A frozen parameter (a LoRA base weight, a frozen embedding) gets none:
-    autograd refuses hooks on it, and it has no gradient. Unfrozen later, its
-    gradient still comes sharded from the gather's backward (see Gather).
+
+def hook_gradient(p: nn.Parameter, mesh: Any, spec: tuple) -> bool:
+    """Give ``p``'s gradients its sharding with a hook, once; returns whether ``p`` has the hook now.
+
+    A frozen parameter (a LoRA base weight, a frozen embedding) gets none yet:
+    autograd refuses hooks on it, and it has no gradient. The state managing
+    it calls this again before each forward until it is unfrozen.
     """
-    if p.requires_grad:
-        p.register_hook(grad_sharder(mesh, spec, p))
+    if p in _hooked:
+        return True
+    if not p.requires_grad:
+        return False
+    p.register_hook(grad_sharder(mesh, spec, p))
+    _hooked[p] = True
+    return True
 
 
 def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
@@ -210,7 +219,7 @@ def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
             p.copy_(annotate_sharding(p.detach(), mesh, spec))
     if applied_spec(p) is None:
         record_applied(p, spec)
-        _hook_gradient(p, mesh, spec)
+        hook_gradient(p, mesh, spec)
 
 
 # --------------------------------------------------------------------------- #
@@ -219,27 +228,32 @@ def place(p: nn.Parameter, mesh: Any, spec: tuple, target_text: str) -> None:
 
 
 class Gather(torch.autograd.Function):
-    """Forward: all-gather each tensor (annotate replicated). Backward: reduce-scatter each gradient.
+    """Forward: all-gather each tensor (annotate replicated), or pass it on sharded. Backward: reduce-scatter.
 
-    One call gathers all the parameters a forward uses, so a step pays one
+    One call handles all the parameters a forward uses, so a step pays one
     autograd node per fully-sharded module, not one per parameter. With
-    ``reshard``, a ``scan`` backward recomputes each gather from the sharded
-    input instead of keeping the gathered value from the forward.
+    ``gather=False`` the tensors go on as they are (the partitioner gathers
+    them where they are used) and the node only gives their gradients the
+    parameters' sharding in ``reduce_dtype``. With ``reshard``, a ``scan``
+    backward recomputes each gather from the sharded input instead of keeping
+    the gathered value from the forward.
     """
 
     @staticmethod
-    def forward(ctx, mesh, specs: tuple, reduce_dtype: torch.dtype | None, reshard: bool,
+    def forward(ctx, mesh, specs: tuple, reduce_dtype: torch.dtype | None, gather: bool, reshard: bool,
                 *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.mesh, ctx.specs, ctx.reduce_dtype = mesh, specs, reduce_dtype
         ctx.dtypes = tuple(t.dtype for t in sources)
         # A parameter the forward leaves unused gets no gradient (None), as in eager.
         ctx.set_materialize_grads(False)
+        if not gather:
+            return tuple(t.view_as(t) for t in sources)
         return tuple(annotate_sharding(t, mesh, (None,) * t.dim(), recompute_in_backward=reshard)
                      for t in sources)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        out: list[torch.Tensor | None] = [None, None, None, None]
+        out: list[torch.Tensor | None] = [None, None, None, None, None]
         for grad, spec, dtype in zip(grads, ctx.specs, ctx.dtypes):
             if grad is not None:
                 if ctx.reduce_dtype is not None:
@@ -247,53 +261,3 @@ class Gather(torch.autograd.Function):
                 grad = annotate_sharding(grad, ctx.mesh, spec).to(dtype)
             out.append(grad)
         return tuple(out)
-
-
-def _check_unchanged(source: torch.Tensor, version: int) -> None:
-    """Refuse to regather a parameter written in place since the forward (autograd's own check)."""
-    if source._version != version:
-        raise RuntimeError(
-            f"a fully sharded parameter of shape {tuple(source.shape)} was modified in place after the forward "
-            f"that used it (version {version} -> {source._version}); its backward would gather the new values. "
-            f"Run backward before updating parameters (optimizer.step()), as autograd requires.")
-
-
-class Regather:
-    """What a saved gathered parameter, or a view of one, is packed into when resharding after forward.
-
-    A view is saved by the formulas of most ops that read a weight (``linear``
-    saves ``weight.t()``): it is kept as its size, stride and offset into the
-    gathered parameter and replayed on the regathered one, so it does not keep
-    the forward's gathered value alive either. XLA tensors report the strides
-    of a contiguous tensor of their own shape, whatever view they are; the
-    view's real strides come from replaying it on a ``meta`` tensor.
-    """
-
-    __slots__ = ("source", "version", "dtype", "mesh", "dims", "view")
-
-    def __init__(self, source: torch.Tensor, dtype: torch.dtype, mesh, dims: int,
-                 view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None) -> None:
-        self.source, self.dtype, self.mesh, self.dims, self.view = source, dtype, mesh, dims, view
-        self.version = source._version
-
-    def viewed(self, view: torch.Tensor, base: torch.Tensor) -> Regather | None:
-        """The same regather, then ``view`` (a view of the gathered ``base``) replayed on the result.
-
-        None where PyTorch cannot replay the view on a ``meta`` tensor; the
-        caller then saves the view itself, as without resharding.
-        """
-        layout = view._view_func_unsafe(torch.empty(base.shape, dtype=base.dtype, device="meta"))
-        if layout is None:
-            return None
-        packed = Regather(self.source, self.dtype, self.mesh, self.dims,
-                          view=(tuple(layout.size()), tuple(layout.stride()), layout.storage_offset()))
-        packed.version = self.version
-        return packed
-
-    def unpack(self) -> torch.Tensor:
-        """Gather the saved sharded parameter again, behind an optimization barrier."""
-        _check_unchanged(self.source, self.version)
-        with torch.no_grad():
-            fresh = behind_barrier(self.source.detach())
-            full = annotate_sharding(fresh.to(self.dtype), self.mesh, (None,) * self.dims)
-            return full if self.view is None else full.as_strided(*self.view)

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, in_scan_autograd_trace, is_fake_tensor, mesh_text, shard_activation
-from ._param import Gather, Regather, applied_spec, axis_size, place, spec_string
+from .._annotate import annotate_sharding, in_scan_step_trace, mesh_text, shard_activation
+from ._param import Gather, applied_spec, axis_size, hook_gradient, place, spec_string
 
 __all__ = [
     "FSDPState",
@@ -125,6 +125,8 @@ class FSDPState:
         self.ignored_params = ignored_params
         self.managed: list[tuple[str, nn.Parameter]] = []
         self.slots: list[Slot] = []
+        # Managed parameters without their gradient hook yet (frozen ones).
+        self.unhooked: list[tuple[nn.Parameter, tuple]] = []
         self._spec_texts: dict[tuple[tuple, int], str] = {}
 
     def spec_text(self, spec: tuple, param: torch.Tensor) -> str:
@@ -139,6 +141,15 @@ class FSDPState:
         """Manage exactly the registrations ``slots``."""
         self.slots = slots
         self.managed = unique_managed(slots)
+        self._find_unhooked()
+
+    def _find_unhooked(self) -> None:
+        specs = {id(slot.param): slot.spec for slot in self.slots}
+        self.unhooked = [(p, specs[id(p)]) for _, p in self.managed if not hook_gradient(p, self.mesh, specs[id(p)])]
+
+    def hook_unfrozen(self) -> None:
+        """Hook the gradient of each managed parameter unfrozen since it was placed."""
+        self.unhooked = [(p, spec) for p, spec in self.unhooked if not hook_gradient(p, self.mesh, spec)]
 
     def adopt(self, replaced: dict[int, nn.Parameter | None]) -> None:
         """After ``load_state_dict``: make each registration's current parameter the managed one.
@@ -167,18 +178,53 @@ class FSDPState:
             place(new, self.mesh, spec, self.spec_text(spec, new))
         if changed:
             self.managed = unique_managed(self.slots)
+            self._find_unhooked()
 
     def forward(self, forward: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Run ``forward(module, *args, **kwargs)`` with every managed parameter gathered."""
+        """Run ``forward(module, *args, **kwargs)`` on the managed parameters, gathered or sharded.
+
+        Gathered (one replicated annotation each, kept by autograd for the
+        backward) with ``reshard_after_forward=False``, inside scan's trace
+        (scan's backward recomputes each gather) and under ``torch.compile``.
+        Otherwise the
+        module runs on its sharded parameters, autograd saves them as they
+        are, and the SPMD partitioner gathers each where it is used, in the
+        forward and again in the backward (FSDPv2's way): nothing gathered is
+        held from the forward to the backward, and the step records no
+        per-parameter work but the gradient's annotation (:func:`grad_sharder`).
+        """
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
+        # Under torch.compile the parameters are gathered too: the tests' compiled decoder
+        # trains like the eager one with the gathers and leaves it at step 3 without them,
+        # as compiled models without torch_xla_ext do (README, Known limitations).
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.reshard_after_forward and self.managed and torch.is_grad_enabled():
+            _warn_compiled_reshard()
+        gather = not self.reshard_after_forward or compiling or in_scan_step_trace()
+        if gather or mp.param_dtype is not None or mp.reduce_dtype is not None:
+            out = self._swapped_forward(forward, module, args, kwargs, gather)
+        else:
+            if self.unhooked:  # without a Gather node, only the hook shards their gradients
+                self.hook_unfrozen()
+            out = forward(module, *args, **kwargs)
+        if mp.output_dtype is not None:
+            out = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(mp.output_dtype) if t.is_floating_point() else t, out)
+        # Keep activations sharded over the fsdp axis on their leading (batch)
+        # dimension, so the compiler gathers weights rather than activations.
+        return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
+
+    def _swapped_forward(self, forward: Callable, module: nn.Module, args: tuple, kwargs: dict,
+                         gather: bool) -> Any:
+        """``forward`` with each managed registration swapped for its parameter gathered and/or cast."""
+        param_dtype = self.mp_policy.param_dtype
         swapped: list[tuple[nn.Module, str, Any]] = []
         try:
-            uses: list[tuple[nn.Module, str, Any, int]] = []
+            uses: list[tuple[nn.Module, str, int]] = []
             index: dict[int, int] = {}
-            currents: list[nn.Parameter] = []
             sources: list[torch.Tensor] = []
             specs: list[tuple] = []
             for slot in self.slots:
@@ -190,59 +236,32 @@ class FSDPState:
                 if k is None:
                     k = index[id(current)] = len(sources)
                     source = current
-                    if mp.param_dtype is not None and source.is_floating_point():
-                        source = source.to(mp.param_dtype)
-                    currents.append(current)
+                    if param_dtype is not None and source.is_floating_point():
+                        source = source.to(param_dtype)
                     sources.append(source)
                     specs.append(slot.spec)
-                uses.append((holder, slot.name, current, k))
-            fulls = self._gather(sources, specs)
-            for holder, name, current, k in uses:
+                uses.append((holder, slot.name, k))
+            fulls = self._gather(sources, specs, gather)
+            for holder, name, k in uses:
+                swapped.append((holder, name, holder._parameters[name]))
                 holder._parameters[name] = fulls[k]
-                swapped.append((holder, name, current))
-            compiling = torch.compiler.is_compiling()
-            if compiling and self.reshard_after_forward and sources and torch.is_grad_enabled():
-                _warn_compiled_reshard()
-            traced = in_scan_autograd_trace() or compiling or _on_fake_tensors(currents)
-            if self.reshard_after_forward and sources and torch.is_grad_enabled() and not traced:
-                packed = {id(full): (full, Regather(current, source.dtype, self.mesh_text, current.dim()))
-                          for full, current, source in zip(fulls, currents, sources)}
-
-                def pack(t: torch.Tensor) -> Any:
-                    hit = packed.get(id(t))
-                    if hit is not None and hit[0] is t:
-                        return hit[1]
-                    base = t._base  # linear saves weight.t()
-                    hit = packed.get(id(base)) if base is not None else None
-                    regather = hit[1].viewed(t, base) if hit is not None and hit[0] is base else None
-                    return t if regather is None else regather
-
-                def unpack(obj: Any) -> torch.Tensor:
-                    return obj.unpack() if isinstance(obj, Regather) else obj
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    out = forward(module, *args, **kwargs)
-            else:
-                out = forward(module, *args, **kwargs)
+            return forward(module, *args, **kwargs)
         finally:
             for holder, name, current in reversed(swapped):
                 holder._parameters[name] = current
-        if mp.output_dtype is not None:
-            out = pytree.tree_map_only(
-                torch.Tensor, lambda t: t.to(mp.output_dtype) if t.is_floating_point() else t, out)
-        # Keep activations sharded over the fsdp axis on their leading (batch)
-        # dimension, so the compiler gathers weights rather than activations.
-        return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
 
-    def _gather(self, sources: list[torch.Tensor], specs: list[tuple]) -> list[torch.Tensor]:
-        """Each source gathered: one :class:`Gather` node for those that need a gradient."""
+    def _gather(self, sources: list[torch.Tensor], specs: list[tuple], gather: bool) -> list[torch.Tensor]:
+        """Each source, gathered when ``gather``: one :class:`Gather` node for those that need a gradient."""
         reshard = self.reshard_after_forward
-        fulls = [annotate_sharding(t, self.mesh_text, (None,) * t.dim(), recompute_in_backward=reshard)
-                 if not t.requires_grad else None for t in sources]
+        if gather:
+            fulls = [annotate_sharding(t, self.mesh_text, (None,) * t.dim(), recompute_in_backward=reshard)
+                     if not t.requires_grad else None for t in sources]
+        else:
+            fulls = [None if t.requires_grad else t for t in sources]
         needs = [k for k, full in enumerate(fulls) if full is None]
         if needs:
             gathered = Gather.apply(self.mesh_text, tuple(specs[k] for k in needs), self.mp_policy.reduce_dtype,
-                                    reshard, *(sources[k] for k in needs))
+                                    gather, reshard, *(sources[k] for k in needs))
             for k, full in zip(needs, gathered):
                 fulls[k] = full
         return fulls
@@ -269,16 +288,6 @@ def _warn_compiled_reshard() -> bool:
     """Warn that a compiled forward keeps gathered parameters; dynamo runs it while tracing (a constant to it)."""
     warnings.warn(_COMPILED_RESHARD, UserWarning, stacklevel=2)
     return True
-
-
-def _on_fake_tensors(params: list[nn.Parameter]) -> bool:
-    """True while a tracer other than scan (torch.compile) runs the forward on fake tensors.
-
-    Inside scan, :func:`~torch_xla_ext._annotate.in_scan_autograd_trace` says
-    so; saved-tensor hooks cannot pack fake values under any tracer. A tracer
-    fakes every parameter of a forward or none: the first one answers.
-    """
-    return bool(params) and is_fake_tensor(params[0])
 
 
 @dataclasses.dataclass

@@ -3,11 +3,24 @@
 ``fully_shard(module)`` keeps the module (its class is swapped to a subclass of
 both its class and :class:`FSDPModule`, so ``isinstance`` checks and
 ``state_dict()`` keys are unchanged) and shards the parameters its state
-manages over the mesh's ``fsdp`` axis with GSPMD sharding annotations. In the
-module's forward each managed parameter is gathered (annotated replicated),
-optionally cast for mixed precision, and used; its gradient is annotated with
-the parameter's sharding (a reduce-scatter), so ``.grad`` is sharded exactly
-like the parameter.
+manages over the mesh's ``fsdp`` axis with GSPMD sharding annotations. Each
+managed parameter's gradient is annotated with the parameter's sharding (a
+reduce-scatter), so ``.grad`` is sharded exactly like the parameter. In the
+module's forward each managed parameter is optionally cast for mixed precision
+and then:
+
+- with ``reshard_after_forward=True`` (the default), used sharded: autograd
+  saves the sharded parameter, and the SPMD partitioner gathers it at each
+  use, in the forward and again in the backward, as torch_xla's FSDPv2 does.
+  The step's graph holds no gathered copy from the forward to the backward
+  (when a backend runs each gather is its scheduler's choice), and a step
+  records no per-parameter operation but the gradient annotation;
+- with ``reshard_after_forward=False``, gathered once (annotated replicated)
+  and kept by autograd for the backward.
+
+Inside ``scan_layers`` and under ``torch.compile`` the parameters are gathered
+in both modes; scan's backward recomputes a resharded gather from the sharded
+layer parameter instead of stacking it across layers.
 
 Ownership: every parameter is managed by exactly one state. A parameter used by
 several modules (a tied embedding and LM head) belongs to the lowest fully
@@ -196,11 +209,11 @@ def fully_shard(
       mesh: a torch_xla ``Mesh`` with an ``fsdp`` axis, or a 1-D mesh; default
         the global mesh, or a 1-D ``('fsdp',)`` mesh over all devices.
       reshard_after_forward: do not keep gathered parameters alive from
-        forward to backward: autograd saves the sharded parameter and the
-        backward gathers it again behind an optimization barrier. A backward
-        that would gather a parameter written in place since its forward
-        (an optimizer step in between) raises ``RuntimeError``, as autograd
-        does for a saved tensor written in place.
+        forward to backward: the forward runs on the sharded parameters,
+        autograd saves them, and the partitioner gathers each where it is
+        used (see the module docstring). A backward after an in-place write
+        to a parameter its forward used (an optimizer step in between)
+        raises autograd's ``RuntimeError``, as in eager.
       shard_placement_fn: ``fn(param) -> dim | None`` choosing the sharded
         dimension (None: default). Default: dim 0 when it divides over the
         ``fsdp`` axis, else the largest dimension that does, else replicated
