@@ -22,7 +22,7 @@ import torch
 
 from ._xla import xlac
 
-__all__ = ["annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node",
+__all__ = ["Annotator", "annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node",
            "is_fake_tensor",
            "ANNOTATE_OP", "regather_mark", "scan_step_trace", "in_scan_step_trace", "traced"]
 
@@ -100,11 +100,23 @@ def mark_sharding(t: torch.Tensor, mesh, spec: tuple) -> None:
     xlac()._xla_mark_sharding(t, _op_sharding(_mesh_text(mesh), str(tuple(spec))))
 
 
-def _annotated(t: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
-    out = fresh_node(t)  # t may already carry its own sharding annotation
-    if t.device.type == "xla":
-        xlac()._xla_mark_sharding(out, _op_sharding(mesh, spec))
+def _annotated_copy(t: torch.Tensor, sharding) -> torch.Tensor:
+    """A copy of the XLA tensor ``t`` whose value carries ``sharding`` (an ``OpSharding``); ``t`` is left as it is.
+
+    ``clone`` gives a new tensor over the same value (device data included),
+    and torch_xla's custom-sharding annotation puts a ``Sharding`` custom call
+    on the copy's value only: no data moves, whatever ``t`` holds (marking a
+    clone of device data instead would reshard that data through the host).
+    """
+    out = t.clone()
+    xlac()._xla_annotate_custom_sharding(out, sharding)
     return out
+
+
+def _annotated(t: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
+    if t.device.type != "xla":
+        return t.clone()
+    return _annotated_copy(t, _op_sharding(mesh, spec))
 
 
 @torch.library.custom_op("txe::annotate_sharding", mutates_args=())
@@ -118,6 +130,28 @@ def _annotate_sharding_fake(t: torch.Tensor, mesh: str, spec: str, recompute_in_
 
 
 ANNOTATE_OP = torch.ops.txe.annotate_sharding.default
+
+
+class Annotator:
+    """:func:`annotate_sharding` for one fixed ``(mesh, spec)``, with its lookups done once.
+
+    A fully sharded step annotates every gradient: this is that call with the
+    per-call work (the mesh and spec texts, the ``OpSharding`` lookup) moved to
+    construction.
+    """
+
+    __slots__ = ("mesh", "spec", "_sharding")
+
+    def __init__(self, mesh, spec: tuple) -> None:
+        self.mesh, self.spec = _mesh_text(mesh), str(tuple(spec))
+        self._sharding = _op_sharding(self.mesh, self.spec)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if traced(t):
+            return torch.ops.txe.annotate_sharding(t, self.mesh, self.spec, False)
+        if t.device.type != "xla":
+            return t.clone()
+        return _annotated_copy(t, self._sharding)
 
 
 # --------------------------------------------------------------------------- #

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from ._weak import WeakIdMap
 
-from .._annotate import annotate_sharding, fresh_node, is_replicated_spec, mark_sharding
+from .._annotate import Annotator, annotate_sharding, fresh_node, is_replicated_spec, mark_sharding
 from .._xla import torch_xla_device, xla_builder, xlac
 
 __all__ = [
@@ -160,12 +160,14 @@ def grad_sharder(mesh: Any, spec: tuple, param: torch.Tensor) -> Callable[[torch
     if all(s is None for s in spec):
         return lambda grad: grad
     text = spec_string(mesh, spec, param)
+    annotate = Annotator(mesh, spec)
+    spec_of = xlac()._get_xla_sharding_spec
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         # None: a parameter the forward left unused (the gather node hands back None).
-        if grad is None or grad.device.type != "xla" or xlac()._get_xla_sharding_spec(grad) == text:
+        if grad is None or grad.device.type != "xla" or spec_of(grad) == text:
             return grad
-        return annotate_sharding(grad, mesh, spec)
+        return annotate(grad)
 
     return hook
 

@@ -1,0 +1,46 @@
+"""The sharding annotation fully_shard and scan put on values: a copy carrying the sharding, the source untouched,
+no data moved, whatever the source holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+from torch_xla_ext._annotate import Annotator, annotate_sharding, is_replicated_spec
+from torch_xla_ext._xla import xlac
+from torch_xla_ext.testing import measure_transfers
+
+from fsdp_helpers import mesh  # noqa: F401  (fixture: pytest finds it by name)
+
+
+def _spec(t: torch.Tensor) -> str:
+    spec = xlac()._get_xla_sharding_spec(t)
+    return "{replicated}" if is_replicated_spec(spec) else spec  # '' and '{replicated}' mean the same
+
+
+@pytest.mark.parametrize("source", ["replicated data", "data sharded otherwise", "pending value"])
+@pytest.mark.parametrize("how", ["annotate_sharding", "Annotator"])
+def test_an_annotated_copy_carries_the_sharding_and_leaves_its_source_and_the_host_alone(device, mesh, source, how):
+    torch.manual_seed(0)
+    host = torch.randn(64, 16)
+    t = host.to(device)
+    if source == "data sharded otherwise":
+        xs.mark_sharding(t, mesh, (None, "fsdp"))
+    torch_xla.sync()
+    if source == "pending value":
+        t = t * 2
+        host = host * 2
+    before = _spec(t)
+    annotate = Annotator(mesh, ("fsdp", None)) if how == "Annotator" else (
+        lambda v: annotate_sharding(v, mesh, ("fsdp", None)))
+    with measure_transfers() as m:
+        out = annotate(t)
+        assert _spec(out) == _spec(annotate(torch.zeros(64, 16, device=device))) != before
+        assert _spec(t) == before
+        torch_xla.sync()
+    assert not m.device_to_host and m.stats.replicate_sharded_data == 0, m.report()
+    assert "devices=[8,1]" in _spec(out)
+    torch.testing.assert_close(out.cpu(), host, rtol=0, atol=0)
+    torch.testing.assert_close(t.cpu(), host, rtol=0, atol=0)
