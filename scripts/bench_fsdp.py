@@ -15,9 +15,9 @@ device, ``torch_xla_ext.hf.causal_mask``):
              torch_xla_ext.hf.scan_decoder_layers)
   ours+loop  the same, the blocks run in a Python for-loop
   ours+keep  ours+loop with ``reshard_after_forward=False``: each block's
-             weights are gathered once per step and kept for the backward, as
-             FSDPv2 (GSPMD) does; the default (``True``) gathers the weights
-             autograd saved again in the backward
+             weights are gathered once per step and kept for the backward; the
+             default (``True``) runs each block on its sharded weights and the
+             partitioner gathers them at every use, forward and backward
   fsdpv2     torch_xla.experimental.spmd_fully_sharded_data_parallel
              .SpmdFullyShardedDataParallel around every block and the root,
              global mesh set with xs.set_global_mesh (the baseline of every

@@ -11,10 +11,10 @@ import torch
 import torch_xla
 
 import torch_xla_ext as txe
-from torch_xla_ext.distributed import fully_shard
+from torch_xla_ext.distributed import MixedPrecisionPolicy, fully_shard
 
 from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
-from fsdp_helpers import LAYERS, TRAIN_TOL, batch, loss_fn, shard_decoder, tiny_decoder
+from fsdp_helpers import LAYERS, TRAIN_TOL, batch, loss_fn, shard_decoder, tiny_decoder, train_like_eager
 
 
 def test_forward_gathers_each_parameter_once_when_kept(device, mesh):
@@ -121,3 +121,32 @@ def test_frozen_and_unused_parameters_get_no_gradient(device, mesh, use_scan):
             assert p.grad is None, name
         else:
             torch.testing.assert_close(p.grad.cpu(), ref.grad, **TRAIN_TOL, msg=name)
+
+
+@pytest.mark.parametrize("kw", [dict(reshard_after_forward=False), dict(mp_policy=MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16)), dict()], ids=["keep", "reshard_bf16", "reshard"])
+def test_a_forward_that_raises_leaves_every_sharded_parameter_registered_and_training(device, mesh, kw):
+    # Kept, or cast to bf16, the forward swaps gathered or cast copies in for the
+    # parameters; an exception in the middle (here in a block nested in the fully
+    # sharded root) must leave the parameters themselves registered, or the next
+    # optimizer step would update the copies. Then training goes on as in eager.
+    reference = tiny_decoder(use_scan=False)
+    model = shard_decoder(copy.deepcopy(reference), mesh, **kw)
+    before = dict(model.named_parameters())
+
+    class Boom(Exception):
+        pass
+
+    def boom(module, args):
+        raise Boom
+
+    handle = model.layers[1].up.register_forward_pre_hook(boom)
+    (_, _), (tx, _) = batch(device, mesh)
+    with pytest.raises(Boom):
+        model(tx)
+    handle.remove()
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[n] is p and isinstance(p, torch.nn.Parameter) for n, p in before.items())
+    if "mp_policy" not in kw:  # bf16 compute is not the CPU's float32
+        train_like_eager(model, reference, device, mesh)

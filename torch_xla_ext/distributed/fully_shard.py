@@ -72,7 +72,7 @@ state object each API attached (None where it was not applied). States live in
 a registry keyed by module identity and held weakly (:mod:`._state`); nothing is
 written into the module's ``__dict__``. The implementation: :mod:`._state`
 (state objects, registry, forward), :mod:`._param` (one parameter's placement,
-gather and regather), :mod:`._ownership` (who manages what, one module tree per
+gather and gradient sharding), :mod:`._ownership` (who manages what, one module tree per
 call), :mod:`._load` (``load_state_dict``).
 
 Problems (a tensor on another device, tied keys holding different data) raise
@@ -183,6 +183,15 @@ _fsdp_classes: dict[type, type] = {}
 
 
 def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: ``cls`` whose ``forward`` runs through its state's :meth:`FSDPState.forward`.
+
+    A wrapping ``forward`` rather than FSDP2's forward pre/post hook pair: where
+    the state swaps gathered (or cast) parameters in for the forward, it must
+    put the sharded ones back when the forward raises, and a post hook does not
+    run then (the next optimizer step would update the swapped-in copies); the
+    wrapper's ``finally`` does. Hooks users register on the module still run
+    around it, as ``nn.Module.__call__`` runs them around ``forward``.
+    """
     if cls not in _fsdp_classes:
         def forward(self, *args, **kwargs):
             return _state(self).forward(cls.forward, self, args, kwargs)
