@@ -18,6 +18,10 @@ device, ``torch_xla_ext.hf.causal_mask``):
              weights are gathered once per step and kept for the backward; the
              default (``True``) runs each block on its sharded weights and the
              partitioner gathers them at every use, forward and backward
+  ours+compile (only with --methods) ours+keep under
+             ``torch.compile(backend="openxla")``: torch_xla's bridge runs the
+             compiled forward and backward graphs as they are called, so its
+             trace column holds their execution too
   fsdpv2     torch_xla.experimental.spmd_fully_sharded_data_parallel
              .SpmdFullyShardedDataParallel around every block and the root,
              global mesh set with xs.set_global_mesh (the baseline of every
@@ -118,7 +122,8 @@ from torch_xla_ext.testing import measure_transfers  # noqa: E402
 from torch_xla_ext.testing.models import CausalBlock, Decoder  # noqa: E402
 
 NUM_DEVICES = 8
-METHODS = ("ours+scan", "ours+loop", "ours+keep", "fsdpv2")
+METHODS = ("ours+scan", "ours+loop", "ours+keep", "ours+compile", "fsdpv2")
+DEFAULT_METHODS = ("ours+scan", "ours+loop", "ours+keep", "fsdpv2")
 # The collectives --hlo counts, with the short names the table prints.
 SHORT = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to-all": "A2A",
          "collective-permute": "CP"}
@@ -187,6 +192,12 @@ def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str, reshard_after_forw
         scan_decoder_layers(model)
     assert len(get_fully_sharded_modules(model)) == len(blocks_of(model)) + 1
     return model
+
+
+def make_compiled(cpu_model: nn.Module, mesh: xs.Mesh) -> nn.Module:
+    """ours+loop under ``torch.compile(backend="openxla")``, kept gathered (what the compiled backward keeps anyway)."""
+    torch._dynamo.reset()
+    return torch.compile(make_ours(cpu_model, mesh, "loop", reshard_after_forward=False), backend="openxla")
 
 
 def make_fsdpv2(cpu_model: nn.Module, mesh: xs.Mesh) -> nn.Module:
@@ -445,6 +456,7 @@ def bench_layers(cfg: Config, model: str, layers: int, steps: int, mesh: xs.Mesh
         "ours+scan": lambda: make_ours(cpu_model, mesh, "scan"),
         "ours+loop": lambda: make_ours(cpu_model, mesh, "loop"),
         "ours+keep": lambda: make_ours(cpu_model, mesh, "loop", reshard_after_forward=False),
+        "ours+compile": lambda: make_compiled(cpu_model, mesh),
         "fsdpv2": lambda: make_fsdpv2(cpu_model, mesh),
     }
     runs = []
@@ -643,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(dumping slows compiles: that run's compile column is not comparable)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per method (default 12, >= 3)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, L = 2, 3 steps")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                    help="default: all but ours+compile")
     ap.add_argument("--out", default="bench_out/bench_fsdp.png", help="PNG plot path")
     args = ap.parse_args(argv)
     if args.quick:

@@ -201,8 +201,13 @@ class FSDPState:
         # trains like the eager one with the gathers and leaves it at step 3 without them,
         # as compiled models without torch_xla_ext do (README, Known limitations).
         compiling = torch.compiler.is_compiling()
-        if compiling and self.reshard_after_forward and self.managed and torch.is_grad_enabled():
-            _warn_compiled_reshard()
+        if compiling:
+            # torch_xla 2.9's openxla backend differentiates an input of the compiled graph
+            # that autograd saves as it is (the token ids an embedding reads) at its first
+            # call's value on every later call; a copy made inside the graph is saved instead.
+            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+            if self.reshard_after_forward and self.managed and torch.is_grad_enabled():
+                _warn_compiled_reshard()
         gather = not self.reshard_after_forward or compiling or in_scan_step_trace()
         if gather or mp.param_dtype is not None or mp.reduce_dtype is not None:
             out = self._swapped_forward(forward, module, args, kwargs, gather)
