@@ -74,7 +74,7 @@ def test_compiled_fully_sharded_model_trains_like_the_eager_one(device, mesh, fu
 def test_compiled_fully_sharded_model_trains_like_the_eager_one_on_new_batches(device, mesh, reshard_after_forward):
     # A new batch every step: torch_xla 2.9's openxla backend would compute the
     # embedding's gradient from the first call's token ids (scripts/compile_divergence.py);
-    # fully_shard hands the compiled graph a copy of its inputs, which it saves instead.
+    # fully_shard hands the compiled forward views of its inputs, which it saves instead.
     reference = tiny_decoder(use_scan=False)
     eager = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
     model = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
@@ -131,3 +131,32 @@ def test_compiled_tiny_llama_trains_like_the_eager_one(device, mesh):
         return torch.stack(losses)
 
     torch.testing.assert_close(train(model, compiled), train(eager, eager), **LLAMA_TOL)
+
+
+def test_an_in_place_write_to_a_compiled_fully_sharded_forward_input_reaches_the_caller(device, mesh):
+    # The compiled forward reads its tensor arguments through views (see the test
+    # above): a write into an argument still lands in the caller's tensor, as in eager.
+    class AddsOne(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.add_(1.0)
+            return self.lin(x)
+
+    reference = AddsOne()
+    eager = fully_shard(copy.deepcopy(reference), mesh=mesh, reshard_after_forward=False)
+    model = torch.compile(fully_shard(copy.deepcopy(reference), mesh=mesh, reshard_after_forward=False),
+                          backend="openxla")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        host = torch.randn(8, 16, generator=g)
+        outs, inputs = [], []
+        for run in (eager, model):
+            x = host.to(device)
+            outs.append(run(x).detach().cpu())
+            inputs.append(x.cpu())
+        torch.testing.assert_close(inputs[0], host + 1.0, rtol=0, atol=0)
+        torch.testing.assert_close(inputs[1], host + 1.0, rtol=0, atol=0)
+        torch.testing.assert_close(outs[1], outs[0], **COMPILED_TOL)

@@ -203,9 +203,10 @@ class FSDPState:
         compiling = torch.compiler.is_compiling()
         if compiling:
             # torch_xla 2.9's openxla backend differentiates an input of the compiled graph
-            # that autograd saves as it is (the token ids an embedding reads) at its first
-            # call's value on every later call; a copy made inside the graph is saved instead.
-            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+            # that autograd saves as it is (token ids an embedding reads, features a Linear
+            # reads) at its first call's value on every later call; a view made inside the
+            # graph is saved instead. A view, not a copy: an in-place write reaches the caller.
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), (args, kwargs))
             if self.reshard_after_forward and self.managed and torch.is_grad_enabled():
                 _warn_compiled_reshard()
         gather = not self.reshard_after_forward or compiling or in_scan_step_trace()
