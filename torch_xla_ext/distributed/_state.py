@@ -186,20 +186,20 @@ class FSDPState:
         Gathered (one replicated annotation each, kept by autograd for the
         backward) with ``reshard_after_forward=False``, inside scan's trace
         (scan's backward recomputes each gather) and under ``torch.compile``.
-        Otherwise the
-        module runs on its sharded parameters, autograd saves them as they
-        are, and the SPMD partitioner gathers each where it is used, in the
-        forward and again in the backward (FSDPv2's way): nothing gathered is
-        held from the forward to the backward, and the step records no
-        per-parameter work but the gradient's annotation (:func:`grad_sharder`).
+        Otherwise the module runs on its sharded parameters, autograd saves
+        them as they are, and the SPMD partitioner gathers each where it is
+        used, in the forward and again in the backward (FSDPv2's way): the
+        graph holds nothing gathered from the forward to the backward, and the
+        step records no per-parameter work but the gradient's annotation
+        (:func:`grad_sharder`).
         """
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
         # Under torch.compile the parameters are gathered too: the tests' compiled decoder
-        # trains like the eager one with the gathers and leaves it at step 3 without them,
-        # as compiled models without torch_xla_ext do (README, Known limitations).
+        # on sharded parameters leaves the eager losses at step 3 (not isolated further);
+        # gathered, it trains like the eager one.
         compiling = torch.compiler.is_compiling()
         if compiling:
             # torch_xla 2.9's openxla backend differentiates an input of the compiled graph
