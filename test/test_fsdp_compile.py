@@ -28,10 +28,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _train(model, run, tx, gx, steps=STEPS):
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+def _train(model, run, batches, lr=0.5):
+    """One SGD step of ``model`` through ``run`` (itself, or compiled) per ``(tokens, targets)`` batch: the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
     losses = []
-    for _ in range(steps):
+    for tx, gx in batches:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(run, tx, gx)
         loss.backward()
@@ -57,12 +58,12 @@ def test_compiled_fully_sharded_model_trains_like_the_eager_one(device, mesh, fu
     model = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
     (_, _), (tx, gx) = batch(device, mesh)
     compiled = torch.compile(model, backend="openxla", fullgraph=fullgraph)
-    expected = _train(eager, eager, tx, gx)
+    expected = _train(eager, eager, [(tx, gx)] * STEPS)
     if reshard_after_forward:
         with pytest.warns(UserWarning, match="reshard_after_forward=True. under torch.compile"):
-            losses = _train(model, compiled, tx, gx)
+            losses = _train(model, compiled, [(tx, gx)] * STEPS)
     else:
-        losses = _train(model, compiled, tx, gx)
+        losses = _train(model, compiled, [(tx, gx)] * STEPS)
     torch.testing.assert_close(losses, expected, **COMPILED_TOL)
     for (name, p), (_, e) in zip(model.named_parameters(), eager.named_parameters()):
         expected_spec = FSDP8 if p.dim() == 2 else FSDP8_1D
@@ -85,21 +86,11 @@ def test_compiled_fully_sharded_model_trains_like_the_eager_one_on_new_batches(d
         tx, gx = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2))
         xs.mark_sharding(tx, mesh, ("fsdp", None))
         batches.append((tx, gx))
-    runs = []
-    for module, run in ((eager, eager), (model, compiled)):
-        opt = torch.optim.SGD(module.parameters(), lr=0.1, foreach=False)
-        losses = []
-        for tx, gx in batches:
-            opt.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # the compiled reshard warning
-                loss = loss_fn(run, tx, gx)
-            loss.backward()
-            opt.step()
-            torch_xla.sync()
-            losses.append(loss.detach().cpu())
-        runs.append(torch.stack(losses))
-    torch.testing.assert_close(runs[1], runs[0], **COMPILED_TOL)
+    expected = _train(eager, eager, batches, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the compiled reshard warning
+        losses = _train(model, compiled, batches, lr=0.1)
+    torch.testing.assert_close(losses, expected, **COMPILED_TOL)
     for (name, p), (_, e) in zip(model.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p.cpu(), e.cpu(), **COMPILED_TOL, msg=name)
 

@@ -101,13 +101,12 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
     """
     made: list[weakref.ref] = []
     try:
-        try:
-            with _ordinary_tensors():
+        with _ordinary_tensors():
+            try:
                 return _trace_on_placeholders(step, carry, x, outside, made)
-        except ImportedWhileTracing:
-            neutralize_made(made)
-            made.clear()
-            with _ordinary_tensors():
+            except ImportedWhileTracing:
+                neutralize_made(made)
+                made.clear()
                 return _trace_on_placeholders(step, carry, x, outside, made)
     except BaseException as error:
         clear_frame_locals(error)

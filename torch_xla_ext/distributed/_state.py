@@ -145,7 +145,8 @@ class FSDPState:
 
     def _find_unhooked(self) -> None:
         specs = {id(slot.param): slot.spec for slot in self.slots}
-        self.unhooked = [(p, specs[id(p)]) for _, p in self.managed if not hook_gradient(p, self.mesh, specs[id(p)])]
+        self.unhooked = [(p, specs[id(p)]) for _, p in self.managed]
+        self.hook_unfrozen()
 
     def hook_unfrozen(self) -> None:
         """Hook the gradient of each managed parameter unfrozen since it was placed."""
