@@ -25,8 +25,11 @@ choices exist only to keep that code small:
   first-dimension guard: 5-7% faster steps, the same compile time); a scalar
   guard on the reads instead compiles 1.5x slower;
 * **merged stacking layouts** (:func:`~torch_xla_ext._scan.stacking._merged`):
-  stacked members with their unsharded dims merged, so each device copies 1-D
-  blocks.
+  stacked members with their unsharded dims merged, so each device's block is
+  1-D. A loop's read of a member is still emitted in the member's shape:
+  XLA fuses the step's reshape into the read as its root (a guarded read of a
+  ``[16, 128]`` block measured 140 KB of straight-line IR, the same read kept
+  1-D 12 KB with a loop).
 
 :func:`cpu_codegen` turns both on exactly when the XLA device is a CPU; the
 environment variable ``TORCH_XLA_EXT_CPU_CODEGEN`` (``1``/``0``) or

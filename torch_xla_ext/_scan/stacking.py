@@ -57,10 +57,10 @@ def _stacked_layout(member: torch.Tensor) -> tuple[tuple[int, ...], Callable[[to
     with unsharded dims merged (:func:`_merged`). XLA:CPU emits a copy of a
     small multi-dim block as a nest of constant-trip loops that LLVM unrolls
     completely (a ``[16, 512]`` block is ~2000 vector instructions per kernel);
-    a 1-D block stays a loop. The stacking, the scan's reads of each layer and
-    its writes of each layer's gradient copy the merged blocks; only handing
-    the gradients back writes blocks of the member's own shape. Otherwise
-    members keep their shape.
+    a 1-D block stays a loop. The stacking copies the merged blocks; the
+    scan's reads of each layer and handing the gradients back produce blocks
+    of the member's own shape (XLA fuses the reshape into the read).
+    Otherwise members keep their shape.
     """
     shape = tuple(member.shape)
     tiling = _tiling(member)
