@@ -141,10 +141,7 @@ class FSDPState:
         """Manage exactly the registrations ``slots``."""
         self.slots = slots
         self.managed = unique_managed(slots)
-        self._find_unhooked()
-
-    def _find_unhooked(self) -> None:
-        specs = {id(slot.param): slot.spec for slot in self.slots}
+        specs = {id(slot.param): slot.spec for slot in slots}
         self.unhooked = [(p, specs[id(p)]) for _, p in self.managed]
         self.hook_unfrozen()
 
@@ -178,8 +175,7 @@ class FSDPState:
             spec = slots[0].spec
             place(new, self.mesh, spec, self.spec_text(spec, new))
         if changed:
-            self.managed = unique_managed(self.slots)
-            self._find_unhooked()
+            self.set_slots(self.slots)
 
     def forward(self, forward: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``forward(module, *args, **kwargs)`` on the managed parameters, gathered or sharded.
