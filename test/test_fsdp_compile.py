@@ -101,6 +101,40 @@ def test_compiled_fully_sharded_model_trains_like_the_eager_one_on_new_batches(d
         torch.testing.assert_close(p.cpu(), e.cpu(), **COMPILED_TOL, msg=name)
 
 
+
+def test_a_batch_an_earlier_compiled_graph_took_is_frozen_in_a_later_one_unless_copied(device, mesh):
+    # torch_xla 2.9's dynamo bridge finds a graph's inputs among the call's
+    # arguments by the tensor id stamped on each device buffer, and compiling a
+    # graph restamps the buffers of the tensors it took. A tensor another
+    # compiled graph took first is then not recognised as an argument of a graph
+    # compiled later: that graph keeps its buffer as a constant and reads the
+    # first call's batch on every call (README, Known limitations). A copy made
+    # on the device (clone, then sync) owns a buffer of its own and trains right.
+    reference = tiny_decoder(use_scan=False)
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(STEPS):
+        tx, gx = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2))
+        xs.mark_sharding(tx, mesh, ("fsdp", None))
+        batches.append((tx, gx))
+    torch_xla.sync()
+    eager = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=False)
+    expected = _train(eager, eager, batches, lr=0.1)
+
+    def compiled_losses(batches):
+        torch._dynamo.reset()
+        model = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=False)
+        step_loss = torch.compile(functools.partial(loss_fn, model), backend="openxla")
+        return _train(model, None, batches, lr=0.1, step_loss=step_loss)
+
+    torch.testing.assert_close(compiled_losses(batches), expected, **COMPILED_TOL)  # the first graphs to take them
+    stale = compiled_losses(batches)
+    torch.testing.assert_close(stale[0], expected[0], **COMPILED_TOL)
+    assert not torch.allclose(stale[1:], expected[1:], **COMPILED_TOL), (stale, expected)
+    copies = [(tx.clone(), gx.clone()) for tx, gx in batches]
+    torch_xla.sync()
+    torch.testing.assert_close(compiled_losses(copies), expected, **COMPILED_TOL)
+
 def _input_syncs() -> int:
     return met.counter_value("DynamoSyncInputExecuteTime") or 0
 
