@@ -48,6 +48,18 @@ def _train(model, run, batches, lr=0.5, step_loss=None, seed=None):
     return torch.stack(losses)
 
 
+
+def _new_batches(device, mesh, seed):
+    """``STEPS`` new ``(tokens, targets)`` batches on the device, the tokens sharded over the batch."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(STEPS):
+        tx, gx = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2))
+        xs.mark_sharding(tx, mesh, ("fsdp", None))
+        batches.append((tx, gx))
+    torch_xla.sync()
+    return batches
+
 def test_fully_sharded_forward_has_no_graph_break(device, mesh):
     model = shard_decoder(tiny_decoder(use_scan=False), mesh)
     (_, _), (tx, _) = batch(device, mesh)
@@ -86,12 +98,7 @@ def test_compiled_fully_sharded_model_trains_like_the_eager_one_on_new_batches(d
     eager = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
     model = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=reshard_after_forward)
     compiled = torch.compile(model, backend="openxla")
-    g = torch.Generator().manual_seed(2)
-    batches = []
-    for _ in range(STEPS):
-        tx, gx = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2))
-        xs.mark_sharding(tx, mesh, ("fsdp", None))
-        batches.append((tx, gx))
+    batches = _new_batches(device, mesh, seed=2)
     expected = _train(eager, eager, batches, lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the compiled reshard warning
@@ -111,13 +118,7 @@ def test_a_batch_an_earlier_compiled_graph_took_is_frozen_in_a_later_one_unless_
     # first call's batch on every call (README, Known limitations). A copy made
     # on the device (clone, then sync) owns a buffer of its own and trains right.
     reference = tiny_decoder(use_scan=False)
-    g = torch.Generator().manual_seed(3)
-    batches = []
-    for _ in range(STEPS):
-        tx, gx = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2))
-        xs.mark_sharding(tx, mesh, ("fsdp", None))
-        batches.append((tx, gx))
-    torch_xla.sync()
+    batches = _new_batches(device, mesh, seed=3)
     eager = shard_decoder(copy.deepcopy(reference), mesh, reshard_after_forward=False)
     expected = _train(eager, eager, batches, lr=0.1)
 
