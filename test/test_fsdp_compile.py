@@ -48,7 +48,6 @@ def _train(model, run, batches, lr=0.5, step_loss=None, seed=None):
     return torch.stack(losses)
 
 
-
 def _new_batches(device, mesh, seed):
     """``STEPS`` new ``(tokens, targets)`` batches on the device, the tokens sharded over the batch."""
     g = torch.Generator().manual_seed(seed)
@@ -59,6 +58,7 @@ def _new_batches(device, mesh, seed):
         batches.append((tx, gx))
     torch_xla.sync()
     return batches
+
 
 def test_fully_sharded_forward_has_no_graph_break(device, mesh):
     model = shard_decoder(tiny_decoder(use_scan=False), mesh)
@@ -108,7 +108,6 @@ def test_compiled_fully_sharded_model_trains_like_the_eager_one_on_new_batches(d
         torch.testing.assert_close(p.cpu(), e.cpu(), **COMPILED_TOL, msg=name)
 
 
-
 def test_a_batch_an_earlier_compiled_graph_took_is_frozen_in_a_later_one_unless_copied(device, mesh):
     # torch_xla 2.9's dynamo bridge finds a graph's inputs among the call's
     # arguments by the tensor id stamped on each device buffer, and compiling a
@@ -135,6 +134,7 @@ def test_a_batch_an_earlier_compiled_graph_took_is_frozen_in_a_later_one_unless_
     copies = [(tx.clone(), gx.clone()) for tx, gx in batches]
     torch_xla.sync()
     torch.testing.assert_close(compiled_losses(copies), expected, **COMPILED_TOL)
+
 
 def _input_syncs() -> int:
     return met.counter_value("DynamoSyncInputExecuteTime") or 0
