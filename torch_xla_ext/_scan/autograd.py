@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._annotate import behind_barrier, is_fake_tensor, regather_mark, scan_step_trace
+from .._annotate import behind_barrier, is_fake_tensor, regather_mark
 from .._partitionable import partitionable_ops
 from .._xla import redirected_mark_sharding, torch_xla_device
+from .aot import split
 from .errors import ScanUnsupportedError
 from .lift import Lifter
 from .loop import _Loop, _lower, _run
@@ -120,21 +121,6 @@ class _Recompute(NamedTuple):
 _Saved = _Stacked | _Input | _Recompute
 
 
-def _decompositions() -> dict:
-    """Ops the autograd graphs decompose before torch_xla lowers them.
-
-    ``F.dropout`` reaches AOTAutograd's graphs as ``aten.native_dropout``,
-    and torch_xla 2.9 lowers ``native_dropout(x, p, train=True)`` keeping each
-    element with probability ``p`` and scaling by ``1/p`` (eager ``F.dropout``
-    on XLA uses another, correct kernel). PyTorch's decomposition (uniform
-    draws compared with ``p``, scaled by ``1/(1-p)``) gives dropout's
-    semantics and a boolean mask.
-    """
-    from torch._decomp import get_decompositions
-
-    return get_decompositions([torch.ops.aten.native_dropout])
-
-
 def _input_source(node, placeholders: list, primals: _Primals) -> _Input | None:
     """The :class:`_Input` ``node`` is, when it is an x or outside input of the forward graph."""
     if node not in placeholders:
@@ -217,21 +203,10 @@ class _GradPlan:
         position in ``carry + x``): ``step`` gets its own copies of them, as
         the Python loop's ``fn`` would write into values it alone holds.
         """
-        from functorch.compile import aot_function, default_partition, make_boxed_func
-
         self.n_c, self.n_x, self.n_o = len(carry), len(x), len(outside)
         self.primals = primals = _Primals(self.n_c, self.n_x, self.n_o)
         self.length, self.reverse = length, reverse
         self.outside_sig: list[Sig] = [_signature(t) for t in outside]
-        captured: dict[str, torch.fx.GraphModule] = {}
-
-        def capture(kind: str):
-            def compiler(gm: torch.fx.GraphModule, _inputs):
-                captured[kind] = gm
-                return make_boxed_func(gm)
-
-            return compiler
-
         def primal_fn(*args):
             # AOTAutograd would turn a write into an input into an extra leading
             # output; the step writes into copies instead.
@@ -253,18 +228,11 @@ class _GradPlan:
         args = [example(s, d, _is_float_dtype(d)) for s, d in carry]
         args += [example(s, d, g and _is_float_dtype(d)) for (s, d), g in zip(x, x_grad)]
         args += [example(t.shape, t.dtype, t.requires_grad) for t in outside]
-        with torch.enable_grad(), scan_step_trace():
-            compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
-                                    partition_fn=partition_fn or default_partition,
-                                    decompositions=_decompositions(), enable_log=False)
-            outs = compiled(*args)
-            self.tangent_mask = [o.requires_grad for o in outs]
-            diff = [o for o in outs if o.requires_grad]
-            if diff:
-                torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+        captured = split(primal_fn, args, partition_fn)
+        outs = captured.outs
+        self.tangent_mask = [o.requires_grad for o in outs]
         self.num_y = len(outs) - primals.n_c
-        self.fw = captured["fw"]
-        self.bw = captured.get("bw")
+        self.fw, self.bw = captured.fw, captured.bw
         self.grad_mask = [a.requires_grad for a in args]
         out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
         placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]

@@ -9,44 +9,49 @@ while ``fn`` is traced:
 
 * the :class:`~torch_xla_ext._scan.lift.Lifter` refuses the explicit host
   reads it sees (:func:`host_read`), naming the user's line;
-* torch_xla's own switch ``_set_allow_execution(False)`` is on, so any other
-  execution (an op torch_xla runs on the CPU, a read we did not list) raises
-  inside torch_xla instead of crashing, and :func:`tracing` turns that error
-  into a :class:`ScanUnsupportedError`. The switch is process-wide: another
-  thread that makes torch_xla execute during those milliseconds gets
-  torch_xla's "Unexpected execution" error (README, *What scan refuses*);
-  scan calls on several threads run one at a time (:func:`one_call_at_a_time`);
+* torch_xla's own switch ``_set_allow_execution(False)`` is on
+  (:func:`execution_refused`), so any other execution (an op torch_xla runs on
+  the CPU, a read we did not list) raises inside torch_xla instead of
+  crashing, and :func:`tracing` turns that error into a
+  :class:`ScanUnsupportedError`. The switch is process-wide, and must be: a
+  ``torch_xla.sync()`` on any thread executes every live lazy tensor of the
+  device, the trace's placeholders included, and would crash the process.
+  While any thread traces, such an execution on another thread raises
+  torch_xla's "Unexpected execution" error instead (README, *Threads*).
+  Traces on several threads (a forward on one, the backward's lazy trace on
+  autograd's device thread) hold the switch together: it is back on when the
+  last of them ends, never before and never left off;
 * a scan inside ``fn`` is refused (nested scans are not supported);
-* a draw from a host random generator (torch's CPU generator, Python's
-  ``random``, numpy's global state) is refused and the generators are put back:
-  the loop would draw new numbers each iteration, a trace draws once. A trace
-  that also imported modules (first uses inside torch_xla import jax, whose
-  import draws from numpy) raises :class:`ImportedWhileTracing` instead, and
-  the caller traces once more, its imports done, to tell who drew.
+* a host random draw by ``fn`` is refused (:mod:`~torch_xla_ext._scan.draws`):
+  the loop would draw new numbers each iteration, a trace draws once. Draws
+  are caught on this thread, so other threads' draws are neither blamed on
+  ``fn`` nor undone. A trace that drew from numpy's global state while it
+  also imported modules (first uses inside torch_xla import jax, whose import
+  draws from numpy) raises :class:`TraceAgain`, and the caller traces once
+  more, its imports done, to tell who drew.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import sys
 import threading
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from .._annotate import scan_step_trace
 from .._frames import user_frame
 from .._xla import xlac
+from .draws import NUMPY_GLOBAL, HostDraw, NumpyGlobalHeld, generator_name, watching
 from .errors import ScanUnsupportedError
 
-__all__ = ["ImportedWhileTracing", "tracing", "refuse_nested", "host_read", "user_frame", "describe_callable",
-           "one_call_at_a_time"]
+__all__ = ["TraceAgain", "tracing", "execution_refused", "refusing_draw", "refuse_nested", "host_read", "user_frame",
+           "describe_callable", "one_call_at_a_time"]
 
 
-class ImportedWhileTracing(Exception):
-    """A host generator moved during a trace that also imported modules: trace again to tell who drew."""
+class TraceAgain(Exception):
+    """fn drew from numpy's global state during a trace that also imported modules: trace again, imports done."""
 
 
 _local = threading.local()
@@ -63,16 +68,18 @@ _one_call = threading.RLock()
 def one_call_at_a_time() -> Iterator[None]:
     """Serialize scan calls across threads (a re-entrant lock: scan_layers' autocast path calls itself).
 
-    A call mutates process-wide state while it traces: torch_xla's execution
-    switch and the host generators (process-wide), AOTAutograd's tracing
-    state (not thread-safe), and for ``scan_layers`` the template layer's
-    parameters (``torch.func.functional_call`` swaps them in place). Two
-    calls on different threads would see each other's: a stale switch left
-    off for good, another thread's placeholders stacked as weights. A trace
-    takes milliseconds of host time; calls wait for each other that long.
+    A call uses state that is not per thread while it traces: AOTAutograd's
+    tracing state (not thread-safe), and for ``scan_layers`` the template
+    layer's parameters (``torch.func.functional_call`` swaps them in place).
+    Two calls on different threads would see each other's: another thread's
+    placeholders stacked as weights. A trace takes milliseconds of host time;
+    calls wait for each other that long. (The execution switch is shared by
+    reference count, :func:`execution_refused`, and the backward's lazy trace
+    on autograd's thread does not take this lock.)
     """
     with _one_call:
         yield
+
 
 def describe_callable(fn: object) -> str:
     """``name (file:line)`` of a function, method or module's forward, for messages.
@@ -99,40 +106,66 @@ def refuse_nested(api: str) -> None:
         )
 
 
-def _host_rng_state() -> tuple:
-    return torch.default_generator.get_state(), random.getstate(), np.random.get_state()
-
-
-def _restore_host_rng(state: tuple) -> None:
-    torch.default_generator.set_state(state[0])
-    random.setstate(state[1])
-    np.random.set_state(state[2])
-
-
-def _rng_changed(before: tuple, after: tuple) -> list[str]:
-    changed = []
-    if not torch.equal(before[0], after[0]):
-        changed.append("torch's CPU generator (torch.rand/randn/randint/... without device=)")
-    if before[1] != after[1]:
-        changed.append("Python's random module")
-    b, a = before[2], after[2]
-    if b[0] != a[0] or not np.array_equal(b[1], a[1]) or b[2:] != a[2:]:
-        changed.append("numpy's global random state")
-    return changed
+_switch_lock = threading.Lock()
+_switch_holders = 0
+_switch_saved = True
 
 
 @contextlib.contextmanager
-def tracing(api: str = "scan") -> Iterator[None]:
-    """The scope in which a step function runs on placeholders (see the module docstring)."""
-    rng = _host_rng_state()
+def execution_refused() -> Iterator[None]:
+    """Hold torch_xla's execution switch off (process-wide; see the module docstring).
+
+    Reference-counted across threads: the first holder saves the switch and
+    turns it off, the last one puts the saved value back. Two overlapping
+    holders that each saved and restored on their own would leave the switch
+    off for good when they end in the wrong order (A saves on, B saves off,
+    A restores on, B restores off), and every later execution in the process
+    would fail.
+    """
+    global _switch_holders, _switch_saved
+    X = xlac()
+    with _switch_lock:
+        if _switch_holders == 0:
+            _switch_saved = X._get_allow_execution()
+            X._set_allow_execution(False)
+        _switch_holders += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_holders -= 1
+            if _switch_holders == 0:
+                X._set_allow_execution(_switch_saved)
+
+
+def refusing_draw(api: str, generators: list[str], where: str) -> ScanUnsupportedError:
+    """The refusal of a host random draw by ``fn`` (``where``: the user's line, or ``""``)."""
+    at = f" at {where}" if where else ""
+    return ScanUnsupportedError(
+        f"{api}: fn draws random numbers from {' and '.join(generators)}{at}. scan traces fn once, so every "
+        f"iteration (and every later call) would reuse the numbers of that one draw, where the Python loop "
+        f"draws new ones each iteration. Draw on the device instead (torch.rand(..., device=x.device), "
+        f"F.dropout on a device tensor): device draws differ per iteration and are reproducible under "
+        f"torch.manual_seed."
+    )
+
+
+@contextlib.contextmanager
+def tracing(api: str = "scan", last: bool = True) -> Iterator[None]:
+    """The scope in which a step function runs on placeholders (see the module docstring).
+
+    Raises :class:`TraceAgain` (unless ``last``) when numpy's global state
+    moved while modules were imported: an import may draw, so the caller
+    traces once more with the imports done.
+    """
     modules = len(sys.modules)
     _local.depth = getattr(_local, "depth", 0) + 1
-    X = xlac()
-    allowed = X._get_allow_execution()  # calls are serialized (one_call_at_a_time): no other trace overlaps
-    X._set_allow_execution(False)
+    numpy_global = NumpyGlobalHeld()
     try:
-        with scan_step_trace():
+        with execution_refused(), scan_step_trace(), watching() as watch, numpy_global:
             yield
+    except HostDraw as error:
+        raise refusing_draw(api, [generator_name(error.args[0])], user_frame(tb=error.__traceback__)) from None
     except RuntimeError as error:
         if _EXECUTION_REFUSED not in str(error) or isinstance(error, ScanUnsupportedError):
             raise
@@ -145,24 +178,14 @@ def tracing(api: str = "scan") -> Iterator[None]:
             f"for a data-dependent selection), or do the read outside fn."
         ) from None
     finally:
-        X._set_allow_execution(allowed)
         _local.depth -= 1
-        after = _host_rng_state()
-        drawn = _rng_changed(rng, after)
-        if drawn:
-            _restore_host_rng(rng)
-    if drawn and len(sys.modules) != modules:
-        # A module imported on first use (jax, under torch_xla's mark_sharding) may draw at import:
-        # the trace cannot tell that from fn's own draw. The caller traces again, imports done.
-        raise ImportedWhileTracing(drawn)
-    if drawn:
-        raise ScanUnsupportedError(
-            f"{api}: fn draws random numbers from {' and '.join(drawn)}. scan traces fn once, so every "
-            f"iteration (and every later call) would reuse the numbers of that one draw, where the Python loop "
-            f"draws new ones each iteration. Draw on the device instead (torch.rand(..., device=x.device), "
-            f"F.dropout on a device tensor): device draws differ per iteration and are reproducible under "
-            f"torch.manual_seed. (The host generators were put back as they were.)"
-        )
+    hit = watch.hit()
+    if hit is not None:  # fn caught the refusal and went on without the numbers
+        raise refusing_draw(api, [generator_name(hit[0])], "")
+    if numpy_global.moved:  # put back already (only this thread could draw)
+        if len(sys.modules) != modules and not last:
+            raise TraceAgain()
+        raise refusing_draw(api, [NUMPY_GLOBAL], "")
 
 
 #: Tensor methods and torch functions that read a tensor's values on the host,

@@ -19,6 +19,9 @@ While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
 * **Refuse host reads** of XLA tensors (``.item()``, ``print``, ``if t:``; see
   :mod:`~torch_xla_ext._scan.guard`) before torch_xla would run a graph over
   placeholders.
+* **Refuse host random draws** (``torch.rand`` without an XLA device,
+  ``F.dropout`` on a host tensor; :mod:`~torch_xla_ext._scan.draws`) before
+  they draw.
 * **Refuse writes** to outside tensors by any route: an in-place op or ``out=``
   on one fails at once; a write through an alias (``.data``, a view) shows up
   as a changed stand-in after the trace (:meth:`Lifter.check_outside_unchanged`).
@@ -37,7 +40,8 @@ from torch.overrides import TorchFunctionMode
 
 from .._xla import xlac
 from .errors import ScanUnsupportedError
-from .guard import host_read, user_frame
+from .draws import TORCH_CPU, torch_host_draw
+from .guard import host_read, refusing_draw, user_frame
 
 __all__ = ["Lifter", "is_inplace_call", "ValueIdentity"]
 
@@ -172,6 +176,9 @@ class Lifter(TorchFunctionMode):
         self.held: list[Any] = []
         #: Whether fn passed a host tensor from outside to a torch call (recorded traces).
         self.reads_host = False
+        #: The first call this mode refused (a host read or draw): raised again after the trace if fn
+        #: caught it and went on without the value.
+        self.refusal: ScanUnsupportedError | None = None
         for original, standin in fixed:
             self._add(original, standin)
 
@@ -285,17 +292,24 @@ class Lifter(TorchFunctionMode):
                 )
 
     # -------------------------------------------------------------------- mode
+    def _refuse(self, error: ScanUnsupportedError) -> ScanUnsupportedError:
+        if self.refusal is None:
+            self.refusal = error
+        return error
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         read = host_read(func, args, kwargs)
         if read is not None:
-            raise ScanUnsupportedError(
+            raise self._refuse(ScanUnsupportedError(
                 f"scan: fn reads a tensor's value on the host ({read}) at {user_frame()}. scan traces fn once "
                 f"on placeholders without running it, so it cannot read values each iteration as the Python "
                 f"loop would (print, .item(), .tolist(), .cpu(), `if t > 0:` and ops whose result shape depends "
                 f"on values all do). Compute with tensors instead (torch.where for an if, a fixed-size mask for "
                 f"a data-dependent selection), or do the read outside fn."
-            )
+            ))
+        if torch_host_draw(func, args, kwargs, _tensor_leaves):
+            raise self._refuse(refusing_draw("scan", [TORCH_CPU], user_frame()))
         for target in _written(func, args, kwargs):
             if (id(target) not in self._known and id(target) not in self._alias
                     and (target.device.type == "xla" or id(target) in self._index)):

@@ -21,7 +21,7 @@ from .._annotate import fresh_node
 from .._partitionable import partitionable_ops
 from .._xla import xla_builder
 from .errors import ScanUnsupportedError
-from .guard import ImportedWhileTracing, tracing
+from .guard import TraceAgain, tracing
 from .lift import Lifter, ValueIdentity
 
 Sig = tuple[tuple[int, ...], torch.dtype]
@@ -41,22 +41,6 @@ def _not_device_data(t: torch.Tensor) -> torch.Tensor:
     # inside fn annotates the value rather than replacing the tensor's data,
     # which would detach it from its HLO parameter.
     return fresh_node(t)
-
-
-@contextlib.contextmanager
-def _rng_state_kept():
-    """Undo the advance of torch_xla's RNG state caused by random ops traced in fn.
-
-    The loop draws its own seeds, so a traced call and a cached call leave the
-    RNG state in the same place. Reading the state moves no data.
-    """
-    import torch_xla.core.xla_model as xm
-
-    state = xm.get_rng_state()
-    try:
-        yield
-    finally:
-        xm.set_rng_state(state)
 
 
 @contextlib.contextmanager
@@ -103,11 +87,11 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
     try:
         with _ordinary_tensors():
             try:
-                return _trace_on_placeholders(step, carry, x, outside, made)
-            except ImportedWhileTracing:
+                return _trace_on_placeholders(step, carry, x, outside, made, last=False)
+            except TraceAgain:  # an import drew from numpy's global state: trace again, imports done
                 neutralize_made(made)
                 made.clear()
-                return _trace_on_placeholders(step, carry, x, outside, made)
+                return _trace_on_placeholders(step, carry, x, outside, made, last=True)
     except BaseException as error:
         clear_frame_locals(error)
         # fn may have kept tensors before it failed (or was refused): no later sync may run them.
@@ -134,7 +118,7 @@ def clear_frame_locals(error: BaseException) -> None:
 
 
 def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
-                           outside: Sequence[Sig] | None, made: list[weakref.ref]) -> _Traced:
+                           outside: Sequence[Sig] | None, made: list[weakref.ref], last: bool = True) -> _Traced:
     """Run ``step`` lazily on placeholders.
 
     With ``outside=None`` this is the lifting trace of a user step,
@@ -142,6 +126,12 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
     :class:`~torch_xla_ext._scan.lift.Lifter`) and the trace is fingerprinted. With
     ``outside`` signatures, ``step(carry, x, outside)`` receives placeholders for
     them and may read no other outside tensor (the autograd graphs).
+    ``last``: see :func:`~torch_xla_ext._scan.guard.tracing`.
+
+    Device random ops in ``step`` advance torch_xla's device RNG state, once
+    per op as one eager call would (the loop itself draws its own seeds). The
+    state is not put back afterwards: it is process-wide, and putting it back
+    would rewind the device draws another thread made meanwhile.
     """
     carry_ph = [_placeholder(*s) for s in carry]
     x_ph = [_placeholder(*s) for s in x]
@@ -163,8 +153,9 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         # stats) replace only its value. A sharding annotation replaces the value
         # too, and then the input counts as written (a copy is harmless).
         identity = ValueIdentity(carry_in + x_in)
-        with tracing(), partitionable_ops(), lifter, _rng_state_kept():
+        with tracing(last=last), partitionable_ops(), lifter:
             carry_out, ys = step(carry_in, x_in)
+        _raise_caught_refusal(lifter)
         lifter.check_outside_unchanged()
         mutated = tuple(k for k, c in enumerate(identity.changed(carry_in + x_in)) if c)
         bumped = tuple(k for k, w in enumerate(identity.written(carry_in + x_in)) if w)
@@ -174,13 +165,22 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         outside_ph = [_placeholder(*s) for s in outside]
         outside_in = [_not_device_data(t) for t in outside_ph]
         lifter = Lifter(carry_in + x_in + outside_in + carry_ph + x_ph + outside_ph, None)
-        with tracing(), partitionable_ops(), lifter, _rng_state_kept():
+        with tracing(last=last), partitionable_ops(), lifter:
             carry_out, ys = step(carry_in, x_in, outside_in)
+        _raise_caught_refusal(lifter)
         mutated = ()
     carry_out, ys = list(carry_out), list(ys)
     fingerprint = lifter.fingerprint() if lifting else ()
     return _Traced(carry_ph, x_ph, outside_ph, list(lifter.outside), carry_out, ys, mutated, fingerprint,
                    lifter.held, lifter.made, lifter.reads_host)
+
+
+def _raise_caught_refusal(lifter: Lifter) -> None:
+    """Raise the refusal ``fn`` caught (``except Exception:``) and went on from without the refused value."""
+    if lifter.refusal is not None:
+        refusal = lifter.refusal
+        lifter.refusal = None
+        raise refusal
 
 
 def refuse_kept_intermediates(made: Sequence[weakref.ref], fn: Callable[[], str]) -> None:
