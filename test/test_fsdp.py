@@ -6,6 +6,7 @@ Loading state dicts into fully sharded models is tested in test_fsdp_state_dict.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import numpy as np
 import pytest
@@ -50,6 +51,31 @@ def test_class_swap_keeps_module_identity_and_state_dict_keys(mesh):
     for (key, value), ref in zip(model.state_dict().items(), reference.state_dict().values()):
         assert value.device.type == "xla"
         torch.testing.assert_close(value.cpu(), ref, **EXACT, msg=key)  # the unsharded values
+
+
+def test_a_fully_sharded_module_keeps_its_forward_signature_for_introspection(device, mesh):
+    class Annotated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, hidden: torch.Tensor, scale: float = 2.0, *, mask: torch.Tensor | None = None,
+                    ) -> torch.Tensor:
+            """Project, then scale."""
+            return self.proj(hidden) * scale
+
+    plain = Annotated()
+    model = fully_shard(copy.deepcopy(plain).to(device), mesh=mesh)
+    assert inspect.signature(model.forward) == inspect.signature(plain.forward)
+    assert inspect.signature(type(model).forward) == inspect.signature(Annotated.forward)
+    assert list(inspect.signature(model.forward).parameters) == ["hidden", "scale", "mask"]
+    assert type(model).forward.__doc__ == "Project, then scale."
+    assert type(model).forward.__name__ == "forward"
+    assert type(model).forward.__annotations__ == Annotated.forward.__annotations__
+    # The wrapper still runs (and binds arguments as the original does).
+    x = torch.randn(2, 8)
+    out = model(x.to(device), scale=3.0)
+    torch.testing.assert_close(out.cpu(), plain(x, scale=3.0), rtol=1e-5, atol=1e-5)
 
 
 def test_each_parameter_is_managed_by_exactly_one_state(mesh):

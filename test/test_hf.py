@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import numpy as np
 import pytest
@@ -91,6 +92,23 @@ def test_fully_sharded_training_matches_cpu_eager(kind, scanned, num_devices):
     assert (after.traces + after.hits) - (scans.traces + scans.hits) == (STEPS if scanned else 0)
     if kind == "gpt2":
         assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_fully_sharded_model_shows_transformers_its_own_forward(num_devices):
+    # Trainer keeps only the batch columns that inspect.signature(model.forward) names, and finds
+    # the label arguments with find_labels: a (*args, **kwargs) forward made it drop every input.
+    from transformers.utils import find_labels
+
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    cpu = _model("llama")
+    model = copy.deepcopy(cpu)
+    for layer in _layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert inspect.signature(model.forward) == inspect.signature(cpu.forward)
+    assert {"input_ids", "attention_mask", "labels"} <= set(inspect.signature(model.forward).parameters)
+    assert find_labels(type(model)) == find_labels(type(cpu)) == ["labels"]
+    assert inspect.signature(_layers(model)[0].forward) == inspect.signature(_layers(cpu)[0].forward)
 
 
 def test_scan_decoder_layers_refuses_what_a_scan_cannot_keep(device):

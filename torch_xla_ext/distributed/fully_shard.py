@@ -84,6 +84,7 @@ parameter before any is replaced.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -185,6 +186,8 @@ _fsdp_classes: dict[type, type] = {}
 def _fsdp_class(cls: type) -> type:
     """``FSDP<cls>``: ``cls`` whose ``forward`` runs through its state's :meth:`FSDPState.forward`.
 
+    The wrapper keeps ``cls.forward``'s signature, name, docstring and
+    annotations for introspection (``inspect.signature(module.forward)``).
     A wrapping ``forward`` rather than FSDP2's forward pre/post hook pair: where
     the state swaps gathered (or cast) parameters in for the forward, it must
     put the sharded ones back when the forward raises, and a post hook does not
@@ -196,6 +199,10 @@ def _fsdp_class(cls: type) -> type:
         def forward(self, *args, **kwargs):
             return _state(self).forward(cls.forward, self, args, kwargs)
 
+        # The wrapper looks like cls.forward to introspection (name, docstring, annotations, and through
+        # __wrapped__ its signature): tools bind inputs by it (transformers' Trainer keeps only the columns
+        # the signature names, and finds the label arguments by it).
+        functools.update_wrapper(forward, cls.forward)
         _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
                                   {"forward": forward, "__module__": cls.__module__})
     return _fsdp_classes[cls]
