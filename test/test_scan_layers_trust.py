@@ -9,6 +9,7 @@ with the plain loop ``for layer in layers: h = layer(h)`` on the device.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -100,6 +101,60 @@ def test_a_per_layer_private_attribute_that_changes_the_result_is_refused(device
     layers[1]._scale = 2.0
     with pytest.raises(txe.ScanInputError, match=r"layers\[1\] differs in _scale = 2.0 \(layers\[0\]: 1.0\)"):
         txe.scan_layers(layers, torch.randn(4, 8, device=device))
+
+
+class Configured(nn.Module):
+    """A layer holding its own settings object, read by its forward."""
+
+    def __init__(self, cfg: object) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.cfg = cfg
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        scale = cfg["scale"] if isinstance(cfg, dict) else cfg.scale if isinstance(cfg, types.SimpleNamespace) \
+            else cfg
+        return torch.tanh(self.lin(h)) * scale + h
+
+
+_SETTINGS = {
+    "dict": (lambda: {"scale": 2.0}, lambda cfg: cfg.update(scale=3.0)),
+    "namespace": (lambda: types.SimpleNamespace(scale=2.0), lambda cfg: setattr(cfg, "scale", 3.0)),
+    "host tensor": (lambda: torch.tensor(2.0), lambda cfg: cfg.fill_(3.0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_SETTINGS))
+def test_a_layers_settings_changed_in_place_after_a_call_are_refused_as_on_a_fresh_stack(device, kind):
+    # The first call verified the layers alike; reuse was then decided by the settings objects'
+    # identities, and later calls ran layers[0]'s computation for every layer (0.48 off for a dict).
+    make, change = _SETTINGS[kind]
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Configured(make()) for _ in range(3)).to(device)
+    h = torch.randn(4, 8, device=device)
+    with torch.no_grad():  # a host tensor read by the forward cannot enter the autograd trace
+        torch.testing.assert_close(txe.scan_layers(layers, h).cpu(), _loop(layers, h).cpu(),
+                                   **tolerance(torch.float32, 8 * 3))
+        change(layers[1].cfg)
+        with pytest.raises(txe.ScanInputError, match=r"layers\[1\] differs in cfg"):
+            txe.scan_layers(layers, h)
+        change(layers[0].cfg)
+        change(layers[2].cfg)  # alike again, all at 3.0
+        torch.testing.assert_close(txe.scan_layers(layers, h).cpu(), _loop(layers, h).cpu(),
+                                   **tolerance(torch.float32, 8 * 3))
+
+
+def test_a_refusal_names_what_differs_not_settings_that_only_are_other_objects(device):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Configured({"scale": 2.0}) for _ in range(3)).to(device)
+    for layer in layers:
+        layer.lin.tag = object()  # another object in every layer, read by nothing
+    layers[2].cfg["scale"] = 5.0
+    with pytest.raises(txe.ScanInputError) as refused:
+        txe.scan_layers(layers, torch.randn(4, 8, device=device))
+    message = str(refused.value)
+    assert "cfg = {'scale': 5.0} (layers[0]: {'scale': 2.0})" in message and "tag" not in message, message
 
 
 def test_a_private_attribute_the_forward_does_not_read_is_accepted(device):

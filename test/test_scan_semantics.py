@@ -7,8 +7,11 @@ calls, so a stale plan or a dropped write shows up as a wrong number.
 
 from __future__ import annotations
 
+import math
+
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch_xla
@@ -69,6 +72,37 @@ def test_host_tensor_changed_in_place_between_calls_is_not_served_stale(device):
     second, _ = txe.scan(step, init, xs_)
     torch.testing.assert_close(first.cpu(), torch.tensor([2.0, 4.0, 6.0, 8.0]))
     torch.testing.assert_close(second.cpu(), torch.tensor([20.0, 40.0, 60.0, 80.0]))
+
+
+@pytest.mark.parametrize("upload", ["tensor", "as_tensor"])
+def test_numpy_table_changed_in_place_between_calls_is_read_as_it_is_now(device, upload):
+    # torch.tensor(table) and torch.as_tensor(table) bake the array's values into the trace; the plan
+    # used to be keyed by the array's identity, so every call computed with the first call's table.
+    table = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+
+    def step(c, x):
+        t = torch.tensor(table, device=device) if upload == "tensor" else torch.as_tensor(table).to(device)
+        return c + x * t, None
+
+    init, xs_ = torch.zeros(4, device=device), torch.ones(2, 4, device=device)
+    first, _ = txe.scan(step, init, xs_)
+    table *= 10
+    second, _ = txe.scan(step, init, xs_)
+    torch.testing.assert_close(first.cpu(), torch.tensor([2.0, 4.0, 6.0, 8.0]))
+    torch.testing.assert_close(second.cpu(), torch.tensor([20.0, 40.0, 60.0, 80.0]))
+
+
+@pytest.mark.parametrize("zero", [np.float32, np.float64, float], ids=["np.float32", "np.float64", "float"])
+def test_numbers_are_told_apart_by_their_bits(device, zero):
+    # -0.0 == 0.0 in Python, so a key by value reused the +0.0 loop: +inf where the loop gives -inf.
+    def step(c, x):
+        return c + 1.0 / (x * scale + scale), None
+
+    init, xs_ = torch.zeros(2, device=device), torch.ones(1, 2, device=device)
+    got = []
+    for scale in (zero(0.0), zero(-0.0), zero(0.0)):
+        got.append(txe.scan(step, init, xs_)[0].cpu().tolist())
+    assert got == [[math.inf] * 2, [-math.inf] * 2, [math.inf] * 2]
 
 
 def test_branch_on_a_python_value_reuses_no_plan_of_the_other_branch(device):

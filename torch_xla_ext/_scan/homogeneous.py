@@ -17,9 +17,14 @@ every layer computes the same function of its members:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
+import struct
+import types
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .errors import ScanInputError
@@ -76,13 +81,79 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
     return names
 
 
+#: How much of a value :func:`value_key` describes by contents before it names the rest by identity.
+_KEY_NODES = 4096
+_KEY_DEPTH = 8
+
+
 def value_key(value: object) -> object:
-    """``value`` when it compares by value (numbers, strings, dtypes, tuples of them), else its identity."""
+    """What ``value`` holds, comparable and hashable: two values with equal keys compute alike when read.
+
+    Numbers by their bits (``-0.0`` is not ``0.0``; NaN payloads differ),
+    strings, dtypes and enums by value; tuples, lists, sets, dicts,
+    ``SimpleNamespace`` and dataclass instances by their items; host tensors,
+    numpy arrays and numpy scalars by dtype, shape and a hash of their bytes.
+    Anything else (an XLA tensor, an arbitrary object), and what lies past
+    :data:`_KEY_NODES` items or :data:`_KEY_DEPTH` levels, is named by identity
+    (:func:`by_contents` tells whether a key has such a part).
+    """
+    return _key(value, [_KEY_NODES], 0)
+
+
+def _key(value: object, budget: list[int], depth: int) -> object:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > _KEY_DEPTH:
+        return _Identity(id(value))
+    if isinstance(value, float):
+        return ("f", struct.pack("<d", value))
+    if isinstance(value, complex):
+        return ("c", struct.pack("<dd", value.real, value.imag))
     if isinstance(value, _PLAIN):
         return (type(value), value)
-    if isinstance(value, (tuple, list, frozenset)) and len(value) <= 64:
-        return (type(value), tuple(value_key(v) for v in value))
-    return ("id", id(value))
+    if isinstance(value, np.generic) and value.dtype != object:
+        return ("np", value.dtype.str, value.tobytes())
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return ("nd", value.shape, value.dtype.str, hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8),
+                                                                    digest_size=16).digest())
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided:
+        data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return ("t", tuple(value.shape), value.dtype, value.requires_grad,
+                hashlib.blake2b(data, digest_size=16).digest())
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_key(v, budget, depth + 1) for v in value))
+    if isinstance(value, (set, frozenset)):
+        keys = [_key(v, budget, depth + 1) for v in value]
+        return (type(value), frozenset(keys)) if all(_hashable(k) for k in keys) else _Identity(id(value))
+    if isinstance(value, dict):
+        return (type(value), tuple((_key(k, budget, depth + 1), _key(v, budget, depth + 1))
+                                   for k, v in value.items()))
+    if isinstance(value, types.SimpleNamespace):
+        return (type(value), _key(vars(value), budget, depth + 1))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), tuple((f.name, _key(getattr(value, f.name), budget, depth + 1))
+                                   for f in dataclasses.fields(value)))
+    return _Identity(id(value))
+
+
+class _Identity(int):
+    """The part of a :func:`value_key` that names an object by identity."""
+
+
+def _hashable(key: object) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+def by_contents(key: object) -> bool:
+    """Whether a :func:`value_key` describes its value wholly by contents (no part named by identity)."""
+    if isinstance(key, _Identity):
+        return False
+    if isinstance(key, (tuple, frozenset)):
+        return all(by_contents(k) for k in key)
+    return True
 
 
 def attribute_key(layer: torch.nn.Module) -> tuple:
@@ -106,16 +177,26 @@ def attribute_groups(layers: Sequence[torch.nn.Module]) -> list[list[int]]:
 
 
 def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: int) -> str:
-    """The attributes ``layers[index]`` has that differ from ``layers[0]``'s, for an error message."""
+    """The attributes ``layers[index]`` has that differ from ``layers[0]``'s, for an error message.
+
+    Attributes whose values differ in what they hold come first; those that
+    only are other objects (of a kind compared by identity) are listed only
+    when nothing else differs.
+    """
     a = {(p, n): v for p, n, v in _readable(first)}
     b = {(p, n): v for p, n, v in _readable(other)}
     missing = object()
-    diffs = []
+    held, identity = [], []
     for p, n in sorted(set(a) | set(b)):
         va, vb = a.get((p, n), missing), b.get((p, n), missing)
-        if va is missing or vb is missing or value_key(va) != value_key(vb):
+        ka = None if va is missing else value_key(va)
+        kb = None if vb is missing else value_key(vb)
+        if va is missing or vb is missing or ka != kb:
             show = [("<missing>" if v is missing else repr(v)) for v in (vb, va)]
-            diffs.append(f"{p + '.' if p else ''}{n} = {show[0]} (layers[0]: {show[1]})")
+            line = f"{p + '.' if p else ''}{n} = {show[0]} (layers[0]: {show[1]})"
+            only_identity = ka is not None and kb is not None and not (by_contents(ka) and by_contents(kb))
+            (identity if only_identity else held).append(line)
+    diffs = held or identity
     return f"layers[{index}] differs in " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
 
 

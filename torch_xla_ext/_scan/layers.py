@@ -17,8 +17,8 @@ from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .groups import layer_groups
 from .guard import describe_callable, one_call_at_a_time, refuse_nested
-from .homogeneous import (attribute_groups, attribute_key, attribute_values, check_hooks, check_members,
-                          describe_difference, layer_state, value_key)
+from .homogeneous import (attribute_groups, attribute_key, attribute_values, by_contents, check_hooks,
+                          check_members, describe_difference, layer_state, value_key)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .trace import refuse_kept_intermediates
@@ -301,8 +301,11 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
         verified = _verified.setdefault(template, {})
     for group in groups:
         k = group[0]
-        seen = (attribute_key(layers[k]), traced.fingerprint)
-        if seen in verified:
+        key = attribute_key(layers[k])
+        # A key naming an object by identity cannot tell a later call that its contents are unchanged:
+        # such a group is traced again at every call.
+        seen = (key, traced.fingerprint) if by_contents(key) else None
+        if seen is not None and seen in verified:
             continue
         other = captured.retrace(_layer_step(layers[k], names, shapes, call))
         same = (other.fingerprint == traced.fingerprint and other.mutated == traced.mutated
@@ -317,6 +320,8 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
                 f"layer's parameters, so every layer must compute the same function of its parameters and "
                 f"inputs; run these layers in a Python loop, or scan each group of equal layers separately."
             )
+        if seen is None:
+            continue
         with _verified_lock:
             if len(verified) >= _VERIFIED_PER_TEMPLATE:
                 verified.clear()

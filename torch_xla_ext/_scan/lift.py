@@ -30,10 +30,12 @@ While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
 from __future__ import annotations
 
 import hashlib
+import struct
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
@@ -249,10 +251,17 @@ class Lifter(TorchFunctionMode):
                 return ("h", tuple(value.shape), value.dtype, value.device.type, digest)
             self.held.append(value)
             return ("h", id(value), value._version, value.device.type)
-        if isinstance(value, float):
-            return ("f", value.hex())
+        if isinstance(value, float):  # by bits: -0.0 is not 0.0, NaN payloads differ
+            return ("f", struct.pack("<d", value))
         if isinstance(value, complex):
-            return ("c", value.real.hex(), value.imag.hex())
+            return ("c", struct.pack("<dd", value.real, value.imag))
+        if isinstance(value, np.generic) and value.dtype != object:  # np.float32(-0.0): by dtype and bits
+            return ("np", value.dtype.str, value.tobytes())
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            # torch.tensor(table) / torch.as_tensor(table) bake the array's values into the trace:
+            # keyed by contents, so a table updated in place between calls is read as it is now.
+            return ("nd", value.shape, value.dtype.str,
+                    hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=16).digest())
         if isinstance(value, (bool, int, str, type(None), torch.dtype, torch.device, torch.layout,
                               torch.memory_format, type(Ellipsis))):
             return (type(value).__name__, value)
