@@ -110,7 +110,7 @@ def soak(steps: int, every: int, layers: int = 2, seed: int = 0) -> list[Window]
         with txe.measure_transfers() as m:
             with (txe.no_recompiles() if step >= 2 else contextlib.nullcontext()), \
                     (txe.no_host_transfers() if step >= 1 else contextlib.nullcontext()):
-                loss = model(input_ids=ids_d, attention_mask=causal_mask(mask_d), labels=ids_d,
+                loss = model(input_ids=ids_d, attention_mask=causal_mask(mask_d, model=model), labels=ids_d,
                              use_cache=False).loss
                 loss.backward()
                 optimizer.step()

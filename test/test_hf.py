@@ -149,22 +149,45 @@ def test_scan_decoder_layers_refuses_mixed_layer_kinds_and_unclear_stacks(device
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_causal_mask_gives_the_models_own_attention_and_moves_nothing_to_the_host(device, attention):
     # With a 2-D mask, HF's sdpa mask code reads it on the host; the 4-D mask is used as given. The
-    # reference is the model's own mask, built from the 2-D one on the CPU (eager attention adds a
-    # 4-D mask to its scores: a boolean one masked nothing there).
+    # reference is the model's own mask, built from the 2-D one on the CPU: every logit, padded rows
+    # included (left padding with labels=input_ids puts the last padded row's prediction in the loss).
     cpu = _model("llama", attention)
     model = copy.deepcopy(cpu).to(device)
     scan_decoder_layers(model)
     ids, mask = next(_batches())
-    expected = cpu(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    own = cpu(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
     ids_d, mask_d = ids.to(device), mask.to(device)
     torch_xla.sync()
     with txe.no_host_transfers():
-        logits = model(input_ids=ids_d, attention_mask=causal_mask(mask_d), use_cache=False).logits
+        out = model(input_ids=ids_d, attention_mask=causal_mask(mask_d, model=model), labels=ids_d, use_cache=False)
         torch_xla.sync()
-    real = mask.bool()  # rows of padding tokens attend to nothing: their logits are not compared
-    torch.testing.assert_close(logits.cpu()[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits.cpu(), own.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss.cpu(), own.loss, rtol=1e-5, atol=1e-5)
     with pytest.raises(txe.ScanInputError, match=r"\[batch, seq\]"):
         causal_mask(mask_d[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_causal_mask_for_a_model_gives_exactly_its_own_loss_with_left_padding(attention, dtype):
+    # Before, causal_mask was additive for every model: under sdpa a padded row then attended uniformly
+    # to every key instead of giving zeros, and the loss moved (tiny Llama: 4.8834 against its own 4.8697).
+    model = _model("llama", attention).to(dtype)
+    ids, mask = next(_batches())
+    mask[0, :5] = 0  # left padding: rows with nothing to attend to
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+        ours = model(input_ids=ids, attention_mask=causal_mask(mask, model=model), labels=ids, use_cache=False)
+    assert torch.equal(ours.loss, own.loss) and torch.equal(ours.logits, own.logits)
+    built = causal_mask(mask, model=model)
+    assert built.dtype == (torch.bool if attention == "sdpa" else dtype)
+
+
+def test_causal_mask_refuses_an_attention_it_does_not_build():
+    model = _model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(txe.ScanInputError, match="'flash_attention_2'.*2-D padding mask"):
+        causal_mask(torch.ones(1, 4, dtype=torch.long), model=model)
 
 
 def _mistral(window: int) -> torch.nn.Module:

@@ -39,36 +39,69 @@ def _gemma2() -> torch.nn.Module:
     return transformers.Gemma2ForCausalLM(config)
 
 
+def _gemma3() -> torch.nn.Module:
+    # Its decoder layer's forward is annotated as returning a tuple but returns a tensor: scanned in groups
+    # all the same (decided on the returned value), where the annotation used to refuse it.
+    config = transformers.Gemma3TextConfig(
+        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=WINDOW, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2), attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(config)
+
+
+_MODELS = {"gemma2": _gemma2, "gemma3": _gemma3}
+
+
 def _masks(mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"full_attention": causal_mask(mask), "sliding_attention": causal_mask(mask, sliding_window=WINDOW)}
 
 
-def test_gemma2_scans_in_groups_and_trains_like_cpu_eager(num_devices):
-    cpu = _gemma2()
-    assert len(set(cpu.config.layer_types)) == 2
-    model = copy.deepcopy(cpu)
+def _sharded(model: torch.nn.Module, num_devices: int, scanned: bool) -> torch.nn.Module:
     mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    scan_decoder_layers(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cpu_optimizer = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    if scanned:
+        scan_decoder_layers(model)
+    return model
+
+
+def _close(got: torch.Tensor, cpu: torch.Tensor, device_loop: torch.Tensor, what: str) -> None:
+    """Within TOL of the CPU, or else of the same model's Python loop on the device (XLA's own rounding)."""
+    try:
+        torch.testing.assert_close(got, cpu, **TOL)
+    except AssertionError as miss:
+        torch.testing.assert_close(got, device_loop, **TOL,
+                                   msg=lambda m: f"{what} against the device loop: {m} (against the CPU: {miss})")
+
+
+@pytest.mark.parametrize("kind", list(_MODELS))
+def test_interleaved_models_scan_in_groups_and_train_like_cpu_eager(num_devices, kind):
+    # After an AdamW step Gemma 3's embedding gradient is 7.6e-5 from the CPU's on the device without
+    # any scan (2 of 8,192 elements past TOL): where the CPU is missed, the device loop must be matched.
+    cpu = _MODELS[kind]()
+    assert len(set(cpu.config.layer_types)) == 2
+    model = _sharded(copy.deepcopy(cpu), num_devices, scanned=True)
+    loop = _sharded(copy.deepcopy(cpu), num_devices, scanned=False)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, loop, cpu)]
     device = torch_xla.device()
     for step, (ids, mask) in enumerate(padded_batches(STEPS, BATCH, SEQ, VOCAB, seed=2, period=4)):
         expected = cpu(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss  # its own masks
         expected.backward()
         ids_d = ids.to(device)
-        loss = model(input_ids=ids_d, attention_mask=_masks(mask.to(device)), labels=ids_d, use_cache=False).loss
+        masks = _masks(mask.to(device)) if step == 0 else causal_mask(mask.to(device), model=model)  # the same dict
+        loss = model(input_ids=ids_d, attention_mask=masks, labels=ids_d, use_cache=False).loss
         loss.backward()
+        looped = loop(input_ids=ids_d, attention_mask=mask.to(device), labels=ids_d, use_cache=False).loss
+        looped.backward()
         torch_xla.sync()
-        torch.testing.assert_close(loss.cpu(), expected.detach(), **TOL)
-        for (name, p), q in zip(model.named_parameters(), cpu.parameters()):
-            torch.testing.assert_close(p.grad.cpu(), q.grad, **TOL, msg=lambda m, name=name: f"step {step} {name}: {m}")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        cpu_optimizer.step()
-        cpu_optimizer.zero_grad(set_to_none=True)
+        _close(loss.cpu(), expected.detach(), looped.detach().cpu(), f"step {step} loss")
+        for (name, p), q, r in zip(model.named_parameters(), cpu.parameters(), loop.parameters()):
+            _close(p.grad.cpu(), q.grad, r.grad.cpu(), f"step {step} {name}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         torch_xla.sync()
 
 

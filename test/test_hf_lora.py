@@ -79,7 +79,8 @@ def test_lora_fine_tune_through_the_recipe_matches_cpu_eager(num_devices):
         ids_d, mask_d = ids.to(device), mask.to(device)
         torch_xla.sync()
         with txe.no_host_transfers() if step >= 1 else txe.transfer_guard("allow"):
-            loss = model(input_ids=ids_d, attention_mask=causal_mask(mask_d), labels=ids_d, use_cache=False).loss
+            loss = model(input_ids=ids_d, attention_mask=causal_mask(mask_d, model=model), labels=ids_d,
+                         use_cache=False).loss
             loss.backward()
             torch_xla.sync()
         torch.testing.assert_close(loss.cpu(), expected.detach(), **TOL)

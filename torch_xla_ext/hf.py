@@ -32,9 +32,10 @@ full alternation) are scanned in groups of p layers (``scan_layers``'
 ``group_size``), each position with the arguments the model gives it.
 ``transformers`` is imported only by the functions that need it.
 
-:func:`causal_mask` builds the 4-D additive mask that lets attention run with
-padding without a device->host read (Hugging Face's mask code reads a 2-D
-mask's values on the host to decide whether it may skip it).
+:func:`causal_mask` builds the 4-D mask, in the form the model's attention
+implementation uses, that lets attention run with padding without a
+device->host read (Hugging Face's mask code reads a 2-D mask's values on the
+host to decide whether it may skip it).
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-import typing
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from ._masks import causal_mask, check_mask_window, model_window
 from ._scan.errors import ScanInputError
 from ._scan.groups import POSITIONS, layer_groups
 from ._scan.homogeneous import allow_hooks
@@ -66,7 +66,7 @@ class _Options:
         self.partition_fn = partition_fn
         self.is_layer_pure = is_layer_pure
         self.handles = handles
-        self.window = window  # the model's sliding window (see _model_window)
+        self.window = window  # the model's sliding window (see torch_xla_ext._masks.model_window)
         self.group_size = group_size  # the period of config.layer_types (1: every layer alike)
         self.local = threading.local()  # .depth: the owner's forwards running; .masks: their attention_mask
 
@@ -156,7 +156,7 @@ class _ScanCall:
             scanned = layer_groups(self._stack, self._options.group_size, 1)
             args, kwargs = (), {POSITIONS: positions}
         masks = getattr(self._options.local, "masks", None)
-        _check_mask_window(masks[-1] if masks else None, self._options.window, self._options.group_size > 1)
+        check_mask_window(masks[-1] if masks else None, self._options.window, self._options.group_size > 1)
         partition_fn = self._options.partition_fn
         checkpointing = [layer for layer in self._layers
                          if layer.training and getattr(layer, "gradient_checkpointing", False) is True]
@@ -245,26 +245,6 @@ def _period(layer_types: object, num_layers: int) -> int | None:
     return None
 
 
-def _require_tensor_output(layer: torch.nn.Module) -> None:
-    """Interleaved stacks hand the hidden states on unchanged between positions: the layers must return a tensor."""
-    returns = None
-    for cls in type(layer).__mro__:  # the first forward that says (fully_shard's subclass does not)
-        forward = cls.__dict__.get("forward")
-        try:
-            hints = typing.get_type_hints(forward) if forward is not None else {}
-        except Exception:  # noqa: BLE001 - unresolvable annotations: treated as unknown
-            hints = {}
-        if "return" in hints:
-            returns = hints["return"]
-            break
-    if returns is not torch.Tensor:
-        raise ScanInputError(
-            f"scan_decoder_layers: {type(layer).__name__}.forward is not annotated to return a tensor; scanning an "
-            f"interleaved stack in groups needs layers that return the hidden states as a tensor (transformers 5 "
-            f"decoder layers do)"
-        )
-
-
 def _find_stack(model: torch.nn.Module) -> str:
     """The qualified name of the model's decoder layer list: the ``nn.ModuleList`` of one class per hidden layer."""
     config = getattr(model, "config", None)
@@ -331,10 +311,8 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
             f"{sorted(set(layer_types))}) without a period that divides its {len(stack)} layers; its forward "
             f"gives each kind its own arguments (a sliding-window mask), which one scan over all layers cannot do"
         )
-    if group_size > 1:
-        _require_tensor_output(stack[0])
     owner = model.get_submodule(name.rpartition(".")[0])
-    options = _Options(partition_fn, is_layer_pure, [], _model_window(model), group_size)
+    options = _Options(partition_fn, is_layer_pure, [], model_window(model), group_size)
     params = list(inspect.signature(owner.forward).parameters)  # bound method: no self
     position = params.index("attention_mask") if "attention_mask" in params else None
 
@@ -355,120 +333,3 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
     stack.__class__ = ScannedLayers
     stack._txe_scan = options
     return stack
-
-
-#: Masks causal_mask built: id -> (weak reference, the sliding window it was built for; None: full causal).
-#: (Not a WeakKeyDictionary: its lookups compare tensors with ==, elementwise.)
-_mask_windows: dict[int, tuple[weakref.ref, int | None]] = {}
-
-
-def _remember_window(mask: torch.Tensor, window: int | None) -> None:
-    key = id(mask)
-    _mask_windows[key] = (weakref.ref(mask, lambda _ref: _mask_windows.pop(key, None)), window)
-
-
-def _window_of(mask: torch.Tensor) -> int | None | str:
-    """The window causal_mask built ``mask`` with, or ``"unknown"``."""
-    entry = _mask_windows.get(id(mask))
-    return entry[1] if entry is not None and entry[0]() is mask else "unknown"
-
-
-def causal_mask(attention_mask: torch.Tensor, sliding_window: int | None = None,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The additive ``[batch, 1, seq, seq]`` attention mask of a ``[batch, seq]`` padding mask, causal.
-
-    0 where a query may attend, ``torch.finfo(dtype).min`` where not: the
-    form Hugging Face's own 4-D masks take, which every attention
-    implementation reads the same way. (A boolean mask is right for ``sdpa``
-    but ``eager`` attention *adds* the mask to its scores: a boolean one masks
-    nothing there; measured on a tiny Llama, logits 0.47 away from the
-    model's own mask.) Pass ``dtype=model.dtype`` for a bfloat16 model
-    (``sdpa`` wants the mask in the query's dtype).
-
-    Pass it as ``model(..., attention_mask=causal_mask(mask))``: Hugging Face
-    models use a 4-D mask as given, so neither ``sdpa`` nor ``eager``
-    attention reads the mask on the host (with a 2-D mask ``sdpa`` does, with
-    no mask both do, to detect packed sequences). Built on the mask's device;
-    nothing is transferred to the host.
-
-    A model with a sliding window (Mistral, Qwen2 with ``use_sliding_window``;
-    ``config.sliding_window``) uses a 4-D mask as given too, window or not:
-    pass ``sliding_window=model.config.sliding_window`` so that query ``i``
-    attends to keys ``j`` with ``i - sliding_window < j <= i``, as the model's
-    own mask does (positions counted in the padded sequence). Under
-    :func:`scan_decoder_layers`, a sliding-window model given a 4-D mask not
-    built here with its window is refused.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        raise ScanInputError("causal_mask: attention_mask must be a [batch, seq] tensor of 0/1 (1: a real token), "
-                             f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ScanInputError(f"causal_mask: sliding_window must be a positive int or None, got {sliding_window!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ScanInputError(f"causal_mask: dtype must be a floating-point torch.dtype, got {dtype!r}")
-    seq = attention_mask.shape[1]
-    allowed = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
-    if sliding_window is not None:
-        allowed = allowed.triu(-(sliding_window - 1))  # keys within the window: i - j < sliding_window
-    allowed = allowed[None, None] & attention_mask.bool()[:, None, None, :]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
-                                                                                     torch.finfo(dtype).min)
-    _remember_window(mask, sliding_window)
-    return mask
-
-
-def _model_window(model: torch.nn.Module) -> int | None:
-    """The sliding window the model's own masks apply to every layer (None: none)."""
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None  # Qwen2 keeps a window in its config but uses it only with this switch
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, (list, tuple)) and "sliding_attention" not in layer_types:
-        return None
-    return window
-
-
-def _check_mask_window(mask: object, window: int | None, interleaved: bool = False) -> None:
-    """Refuse a 4-D mask that would drop the model's sliding window (see :func:`causal_mask`).
-
-    A model whose every layer slides needs a 4-D mask built with its window.
-    An interleaved model (sliding and full layers) needs one mask per kind,
-    as the dict Hugging Face accepts: ``{"full_attention": causal_mask(m),
-    "sliding_attention": causal_mask(m, sliding_window=W)}``.
-    """
-    if window is None:
-        return
-    if interleaved:
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-            raise ScanInputError(
-                f"scan_decoder_layers: the model alternates sliding-window (config.sliding_window = {window}) "
-                f"and full-attention layers, and a 4-D attention mask is used as given by every layer: one mask "
-                f"cannot be right for both. Pass {{'full_attention': causal_mask(mask), 'sliding_attention': "
-                f"causal_mask(mask, sliding_window={window})}}, or the 2-D padding mask."
-            )
-        if isinstance(mask, dict):
-            for kind, built_for in (("full_attention", None), ("sliding_attention", window)):
-                entry = mask.get(kind)
-                if isinstance(entry, torch.Tensor) and entry.dim() == 4 and _window_of(entry) != built_for:
-                    raise ScanInputError(
-                        f"scan_decoder_layers: attention_mask[{kind!r}] was not built by causal_mask with "
-                        f"sliding_window={built_for}; the {kind} layers would attend "
-                        f"{'outside their window' if built_for else 'inside a window they do not have'}"
-                    )
-        return
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return  # a 2-D mask or none: the model builds its own (windowed) masks
-    built_for = _window_of(mask)
-    if built_for != window:
-        how = ("was not built by causal_mask" if built_for == "unknown"
-               else f"was built with sliding_window={built_for}")
-        raise ScanInputError(
-            f"scan_decoder_layers: the model has a sliding window (config.sliding_window = {window}) and uses a "
-            f"4-D attention mask as given, but this mask {how}: the layers would attend outside the window, "
-            f"a different result from the model's own mask. Pass causal_mask(mask, sliding_window={window}), or "
-            f"the 2-D padding mask."
-        )

@@ -50,6 +50,14 @@ class LayerGroup(torch.nn.Module):
             layer_args, layer_kwargs = (args, kwargs) if positions is None else positions[k]
             out = layer(*carry, *layer_args, **layer_kwargs)
             carry = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            if k + 1 < len(self.members) and len(carry) != self.num_carried:
+                # Decided on what the layer returns (an annotation may say a tuple where it returns a tensor).
+                raise ScanInputError(
+                    f"scan_layers: {type(layer).__name__}.forward, position {k} of a group of "
+                    f"{len(self.members)}, returned {len(carry)} value(s) where the group hands "
+                    f"{self.num_carried} on to the next position; the layers of an interleaved stack must "
+                    f"return what they take (the hidden states as a tensor)"
+                )
         return out
 
 
