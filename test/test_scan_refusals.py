@@ -288,7 +288,8 @@ def test_fn_changing_the_python_state_it_computes_with_is_refused(device):
         return c * calls[0] + x, None
 
     with pytest.raises(txe.ScanUnsupportedError,
-                       match=r"counting \(.*test_scan_refusals.py:\d+\), traced twice in one call"):
+                       match=r"counting \(.*test_scan_refusals.py:\d+\), changes Python state it can reach "
+                             r"\(calls\), and computes with it: iteration 1"):
         txe.scan(counting, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
 
     class Clocked(torch.nn.Module):  # a value that changes between runs (a clock), as an attribute read
@@ -307,16 +308,91 @@ def test_fn_changing_the_python_state_it_computes_with_is_refused(device):
     assert torch_xla._XLAC._get_allow_execution()
 
 
-def test_side_effects_that_do_not_change_the_computation_still_run_once_per_cached_call(device):
+def test_side_effects_that_do_not_change_the_computation_run_once_per_iteration_as_in_the_loop(device):
     log = []
 
     def logging_step(c, x):
-        log.append("traced")  # not read back: the two traces of a lowering call agree
+        log.append("traced")  # changes a list fn reaches, but nothing fn computes
         return c + x, None
 
     init, xs = torch.zeros(4, device=device), torch.ones(3, 4, device=device)
     c, _ = txe.scan(logging_step, init, xs)
     assert c.cpu().tolist() == [3.0] * 4
-    assert log == ["traced", "traced"]  # the call that lowered the loop traced twice
+    assert log == ["traced"] * 3  # traced once per iteration, each alike: the loop's three appends
     txe.scan(logging_step, init, xs)
-    assert log == ["traced"] * 3  # a cached call traces once
+    assert log == ["traced"] * 6
+
+
+@pytest.mark.parametrize("period", [2, 3])
+def test_fn_computing_with_state_it_changes_is_refused_on_the_first_call_whatever_the_period(device, period):
+    # Two traces in one call compared n // 2 at n and n + 1: equal at every other call, so the loop was
+    # accepted or refused by the counter's parity, and when accepted gave [4, 4] where the loop gives [6, 6].
+    state = {"n": 0}
+
+    def periodic(c, x):
+        state["n"] += 1
+        return c + x * (state["n"] // period), None
+
+    init, xs = torch.zeros(2, device=device), torch.ones(2 * period, 2, device=device)
+    for _ in range(3):
+        with pytest.raises(txe.ScanUnsupportedError, match=r"changes Python state it can reach \(state\)"):
+            txe.scan(periodic, init, xs)
+
+
+def test_fn_changing_state_that_every_iteration_computes_alike_gives_the_loop(device):
+    # A step counter read only through a branch both sides of which compute the same: traced per
+    # iteration, every trace alike, the loop's values and the loop's count.
+    seen = {"calls": 0}
+
+    def counted(c, x):
+        seen["calls"] += 1
+        return c * 0.5 + x, None
+
+    c, _ = txe.scan(counted, torch.zeros(3, device=device), torch.arange(12.0).reshape(4, 3).to(device))
+    expected = torch.zeros(3)
+    for x in torch.arange(12.0).reshape(4, 3):
+        expected = expected * 0.5 + x
+    torch.testing.assert_close(c.cpu(), expected)
+    assert seen["calls"] == 4
+
+
+def test_a_method_changing_an_attribute_it_computes_with_is_refused(device):
+    class Scaler:
+        def __init__(self) -> None:
+            self.scale = 1.0
+
+        def step(self, c, x):
+            self.scale *= 2.0
+            return c + x * self.scale, None
+
+    with pytest.raises(txe.ScanUnsupportedError, match=r"changes Python state it can reach \(self\)"):
+        txe.scan(Scaler().step, torch.zeros(2, device=device), torch.ones(3, 2, device=device))
+
+
+def test_a_long_loop_over_a_state_changing_fn_is_refused_naming_the_bound(device):
+    log = []
+
+    def logging_step(c, x):
+        log.append(1)
+        return c + x, None
+
+    with pytest.raises(txe.ScanUnsupportedError, match=r"this loop has 65 iterations \(at most 64"):
+        txe.scan(logging_step, torch.zeros(2, device=device), torch.ones(65, 2, device=device))
+    assert len(log) == 1
+
+
+def test_a_layer_forward_changing_its_own_state_is_refused_by_scan_layers(device):
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, h):
+            self.calls += 1  # each layer counts its own calls in the loop
+            return self.lin(h)
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Counting() for _ in range(3)]).to(device)
+    with pytest.raises(txe.ScanUnsupportedError, match=r"Counting.forward .* changes Python state"):
+        txe.scan_layers(layers, torch.ones(2, 4, device=device))

@@ -21,6 +21,7 @@ from .errors import ScanInputError, ScanUnsupportedError
 from .guard import describe_callable, one_call_at_a_time, refuse_nested
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
+from .state import ReachableState
 from .trace import Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates
 
 PyTree = Any
@@ -231,6 +232,7 @@ class Captured:
     y_spec: pytree.TreeSpec
     y_none: tuple[bool, ...]     # per y leaf: fn returned None there
     made: list[weakref.ref]      # every XLA tensor the traces made (see refuse_kept_intermediates)
+    per_iteration: bool = False  # fn changed Python state and was traced once per iteration, all alike
 
     def retrace(self, fn: Callable) -> _Traced:
         """Another ``fn`` traced on this capture's signatures (scan_layers' other layers)."""
@@ -246,7 +248,8 @@ class Captured:
 
 
 def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | None, init_l: list[torch.Tensor],
-            xs_l: list[torch.Tensor], keep_written: bool = False) -> Captured:
+            xs_l: list[torch.Tensor], keep_written: bool = False, iterations: int | None = 1,
+            watch_state: bool = True) -> Captured:
     """Trace ``fn`` on placeholders for this call's signatures.
 
     Every call traces: the outside tensors ``fn`` reads now are the loop's
@@ -254,13 +257,30 @@ def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | 
     that changed is never served stale. With ``keep_written`` (scan_layers'
     buffers), xs leaves ``fn`` writes into are traced again as extra ys: the
     stacked values of their slices as each iteration left them.
+
+    A trace that changed Python state ``fn`` reaches (:mod:`~torch_xla_ext._scan.state`)
+    is followed by one trace per remaining iteration (``iterations``: how
+    many times the Python loop runs ``fn`` itself), each of which must trace
+    like the first; ``iterations=None`` (each iteration runs another layer's
+    forward) refuses such a change outright. ``watch_state=False``: no
+    snapshot (the second capture of :func:`_refuse_self_changing`).
     """
     found: dict[str, Any] = {}
     step = _flat_step(fn, init_spec, x_spec, found)
     carry_sig = [_signature(t) for t in init_l]
     x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
+    state = ReachableState(fn) if watch_state else None
     traced = _trace(step, carry_sig, x_sig)
     made = list(traced.made)
+    changed = state.changed() if state is not None else []
+    del state
+    try:
+        if changed:
+            _trace_each_iteration(fn, step, traced, changed, iterations, carry_sig, x_sig, made)
+    except BaseException:
+        traced = None
+        neutralize_made(made)
+        raise
     n_c = len(init_l)
     written = [k - n_c for k in traced.mutated if k >= n_c] if keep_written else []
     if written:
@@ -273,7 +293,44 @@ def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | 
             raise
         made += traced.made
     return Captured(step, traced, init_spec, x_spec, carry_sig, x_sig, traced.outside, written, found["y_spec"],
-                    found["y_none"], made)
+                    found["y_none"], made, per_iteration=bool(changed))
+
+
+#: At most this many iterations are traced one by one for a fn that changes Python state.
+MAX_TRACED_ITERATIONS = 64
+
+
+def _trace_each_iteration(fn: Callable, step: Callable, first: _Traced, changed: list[str], iterations: int | None,
+                          carry_sig: list[Sig], x_sig: list[Sig], made: list[weakref.ref]) -> None:
+    """Trace ``step`` for iterations 1.. of the loop, each with the state the one before left; refuse a difference."""
+    what = f"changes Python state it can reach ({', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''})"
+    if iterations is None:
+        raise ScanUnsupportedError(
+            f"scan_layers: {describe_callable(fn)} {what} while it runs. In the Python loop every layer's forward "
+            f"changes its own state once; scan_layers runs layers[0]'s forward, traced, for all of them. Keep "
+            f"such state outside the forward, or run these layers in a Python loop."
+        )
+    if iterations > MAX_TRACED_ITERATIONS:
+        raise ScanUnsupportedError(
+            f"scan: fn, {describe_callable(fn)}, {what}. The Python loop runs fn with the state the previous "
+            f"iteration left; scan can keep that only by tracing fn once per iteration and checking that every "
+            f"iteration computes the same thing, and this loop has {iterations} iterations (at most "
+            f"{MAX_TRACED_ITERATIONS} are traced). Move the state change out of fn, or pass the state in as a "
+            f"tensor (in xs, or in the carry)."
+        )
+    for iteration in range(1, iterations):
+        again = _trace(step, carry_sig, x_sig)
+        made += again.made
+        same = (again.fingerprint == first.fingerprint and again.mutated == first.mutated
+                and [id(t) for t in again.outside] == [id(t) for t in first.outside])
+        del again
+        if not same:
+            raise ScanUnsupportedError(
+                f"scan: fn, {describe_callable(fn)}, {what}, and computes with it: iteration {iteration} traces "
+                f"differently from iteration 0. The Python loop runs fn with the state the previous iteration "
+                f"left; a traced loop runs one trace for all iterations. Keep such state outside fn and pass it "
+                f"in as a tensor (in xs, or in the carry)."
+            )
 
 
 def cache_key(captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int, reverse: bool,
@@ -294,7 +351,8 @@ def plan(owner: Callable, key: tuple, captured: Captured, recapture: Callable[[]
     trace the same: see :func:`_refuse_self_changing`.
     """
     def make() -> _Plan:
-        _refuse_self_changing(captured, recapture, owner)
+        if not captured.per_iteration:  # else every iteration was traced already
+            _refuse_self_changing(captured, recapture, owner)
         return _make_plan(captured.step, captured.traced, init_l, xs_l, length, reverse, partition_fn)
 
     return _cached_plan(owner, key, make, pure)
@@ -364,10 +422,11 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
                xs_l: list[torch.Tensor], length: int, reverse: bool, partition_fn: Callable | None, pure: bool,
                ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec]]:
     """:func:`scan` on checked, flat arguments: ``(carry leaves, (y leaves, y spec))``."""
-    captured = capture(fn, init_spec, x_spec, init_l, xs_l)
+    captured = capture(fn, init_spec, x_spec, init_l, xs_l, iterations=length)
     try:
         key = cache_key(captured, init_l, xs_l, length, reverse, partition_fn)
-        chosen = plan(fn, key, captured, lambda: capture(fn, init_spec, x_spec, init_l, xs_l), init_l, xs_l,
+        chosen = plan(fn, key, captured, lambda: capture(fn, init_spec, x_spec, init_l, xs_l, watch_state=False),
+                      init_l, xs_l,
                       length, reverse, partition_fn, pure)
         captured.release(fn)
         carry_l, ys, _ = run(chosen, captured, init_l, xs_l, length)

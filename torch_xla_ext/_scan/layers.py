@@ -247,12 +247,12 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
     carry_l, length = list(carry), len(layers)
     captured = None
     try:
-        def capture() -> stages.Captured:
+        def capture(watch_state: bool = False) -> stages.Captured:
             return stages.capture(_layer_step(template, names, shapes, call), carry_spec, x_spec, carry_l, stacked,
-                                  keep_written=True)
+                                  keep_written=True, iterations=None, watch_state=watch_state)
 
         try:
-            captured = capture()
+            captured = capture(watch_state=True)
         except _DtypeChanged:
             if not peel or len(layers) < 2:
                 raise
