@@ -24,11 +24,12 @@ while ``fn`` is traced:
 * a scan inside ``fn`` is refused (nested scans are not supported);
 * a host random draw by ``fn`` is refused (:mod:`~torch_xla_ext._scan.draws`):
   the loop would draw new numbers each iteration, a trace draws once. Draws
-  are caught on this thread, so other threads' draws are neither blamed on
-  ``fn`` nor undone. A trace that drew from numpy's global state while it
-  also imported modules (first uses inside torch_xla import jax, whose import
-  draws from numpy) raises :class:`TraceAgain`, and the caller traces once
-  more, its imports done, to tell who drew.
+  are told apart per thread, so other threads' draws are neither blamed on
+  ``fn`` nor undone. A trace during which Python's ``random`` moved, or
+  numpy's global state moved while modules were imported (first uses inside
+  torch_xla import jax, whose import draws from numpy), raises
+  :class:`TraceAgain`, and the caller traces once more, watching, to tell
+  who drew.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 from .._annotate import scan_step_trace
 from .._frames import user_frame
 from .._xla import xlac
-from .draws import NUMPY_GLOBAL, HostDraw, NumpyGlobalHeld, generator_name, watching
+from .draws import NUMPY_GLOBAL, HostDraw, NumpyGlobalHeld, generator_name, python_random_state, watching
 from .errors import ScanUnsupportedError
 
 __all__ = ["TraceAgain", "tracing", "execution_refused", "refusing_draw", "refuse_nested", "host_read", "user_frame",
@@ -51,7 +52,7 @@ __all__ = ["TraceAgain", "tracing", "execution_refused", "refusing_draw", "refus
 
 
 class TraceAgain(Exception):
-    """fn drew from numpy's global state during a trace that also imported modules: trace again, imports done."""
+    """The trace cannot tell whether fn drew host random numbers: trace again, watching (see :func:`tracing`)."""
 
 
 _local = threading.local()
@@ -151,18 +152,23 @@ def refusing_draw(api: str, generators: list[str], where: str) -> ScanUnsupporte
 
 
 @contextlib.contextmanager
-def tracing(api: str = "scan", last: bool = True) -> Iterator[None]:
+def tracing(api: str = "scan", watch: bool = False, last: bool = True) -> Iterator[None]:
     """The scope in which a step function runs on placeholders (see the module docstring).
 
-    Raises :class:`TraceAgain` (unless ``last``) when numpy's global state
-    moved while modules were imported: an import may draw, so the caller
-    traces once more with the imports done.
+    Raises :class:`TraceAgain` (unless ``last``) when the trace cannot tell
+    whether ``fn`` drew host random numbers: Python's ``random`` moved during
+    an unwatched trace (``fn`` drew, or another thread did meanwhile), or
+    numpy's global state moved while modules were imported (an import may
+    draw). The caller then traces once more with ``watch`` (Python's random
+    watched on this thread, :func:`~torch_xla_ext._scan.draws.watching`).
     """
     modules = len(sys.modules)
+    python_random = None if watch else python_random_state()
     _local.depth = getattr(_local, "depth", 0) + 1
     numpy_global = NumpyGlobalHeld()
     try:
-        with execution_refused(), scan_step_trace(), watching() as watch, numpy_global:
+        with execution_refused(), scan_step_trace(), (watching() if watch else _unwatched()) as watched, \
+                numpy_global:
             yield
     except HostDraw as error:
         raise refusing_draw(api, [generator_name(error.args[0])], user_frame(tb=error.__traceback__)) from None
@@ -179,13 +185,20 @@ def tracing(api: str = "scan", last: bool = True) -> Iterator[None]:
         ) from None
     finally:
         _local.depth -= 1
-    hit = watch.hit()
+    hit = watched.hit() if watched is not None else None
     if hit is not None:  # fn caught the refusal and went on without the numbers
         raise refusing_draw(api, [generator_name(hit[0])], "")
+    if python_random is not None and python_random_state() != python_random and not last:
+        raise TraceAgain()  # fn drew, or another thread did meanwhile: the watched trace tells which
     if numpy_global.moved:  # put back already (only this thread could draw)
         if len(sys.modules) != modules and not last:
             raise TraceAgain()
         raise refusing_draw(api, [NUMPY_GLOBAL], "")
+
+
+@contextlib.contextmanager
+def _unwatched() -> Iterator[None]:
+    yield None
 
 
 #: Tensor methods and torch functions that read a tensor's values on the host,

@@ -74,6 +74,10 @@ class _Traced(NamedTuple):
     reads_host: bool                # fn passed a host tensor from outside to a torch call (lifting traces)
 
 
+#: Traces of one call at most: the first; one watching who drew; one more if that one also imported.
+_TRACES = 3
+
+
 def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequence[Sig] | None = None) -> _Traced:
     """Run ``step`` lazily on placeholders; nothing executes and no device memory is allocated.
 
@@ -86,12 +90,14 @@ def _trace(step: Callable, carry: Sequence[Sig], x: Sequence[Sig], outside: Sequ
     made: list[weakref.ref] = []
     try:
         with _ordinary_tensors():
-            try:
-                return _trace_on_placeholders(step, carry, x, outside, made, last=False)
-            except TraceAgain:  # an import drew from numpy's global state: trace again, imports done
-                neutralize_made(made)
-                made.clear()
-                return _trace_on_placeholders(step, carry, x, outside, made, last=True)
+            for attempt in range(_TRACES):
+                try:
+                    return _trace_on_placeholders(step, carry, x, outside, made, watch=attempt > 0,
+                                                  last=attempt == _TRACES - 1)
+                except TraceAgain:  # see guard.tracing: tell who drew (watching), imports done
+                    neutralize_made(made)
+                    made.clear()
+            raise AssertionError("unreachable: the last trace asks for no other")
     except BaseException as error:
         clear_frame_locals(error)
         # fn may have kept tensors before it failed (or was refused): no later sync may run them.
@@ -118,7 +124,8 @@ def clear_frame_locals(error: BaseException) -> None:
 
 
 def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig],
-                           outside: Sequence[Sig] | None, made: list[weakref.ref], last: bool = True) -> _Traced:
+                           outside: Sequence[Sig] | None, made: list[weakref.ref], watch: bool = False,
+                           last: bool = True) -> _Traced:
     """Run ``step`` lazily on placeholders.
 
     With ``outside=None`` this is the lifting trace of a user step,
@@ -126,7 +133,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
     :class:`~torch_xla_ext._scan.lift.Lifter`) and the trace is fingerprinted. With
     ``outside`` signatures, ``step(carry, x, outside)`` receives placeholders for
     them and may read no other outside tensor (the autograd graphs).
-    ``last``: see :func:`~torch_xla_ext._scan.guard.tracing`.
+    ``watch``, ``last``: see :func:`~torch_xla_ext._scan.guard.tracing`.
 
     Device random ops in ``step`` advance torch_xla's device RNG state, once
     per op as one eager call would (the loop itself draws its own seeds). The
@@ -153,7 +160,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         # stats) replace only its value. A sharding annotation replaces the value
         # too, and then the input counts as written (a copy is harmless).
         identity = ValueIdentity(carry_in + x_in)
-        with tracing(last=last), partitionable_ops(), lifter:
+        with tracing(watch=watch, last=last), partitionable_ops(), lifter:
             carry_out, ys = step(carry_in, x_in)
         _raise_caught_refusal(lifter)
         lifter.check_outside_unchanged()
@@ -165,7 +172,7 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
         outside_ph = [_placeholder(*s) for s in outside]
         outside_in = [_not_device_data(t) for t in outside_ph]
         lifter = Lifter(carry_in + x_in + outside_in + carry_ph + x_ph + outside_ph, None)
-        with tracing(last=last), partitionable_ops(), lifter:
+        with tracing(watch=watch, last=last), partitionable_ops(), lifter:
             carry_out, ys = step(carry_in, x_in, outside_in)
         _raise_caught_refusal(lifter)
         mutated = ()
