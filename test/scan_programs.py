@@ -18,8 +18,12 @@ programs, ``txe.scan_layers`` over modules whose forward is the program):
 
 A program may also carry a *hazard*, something ordinary Python does that a
 traced loop must either reproduce or refuse: a host tensor written behind its
-version counter between calls (``.data``; with gradients it is refused), per-layer private attributes (equal:
-accepted; different: refused), a module hook on one layer, a host random draw,
+version counter between calls (``.data``; with gradients it is refused), a numpy table rewritten in place
+between calls and read through ``torch.tensor``, a numpy zero whose sign changes between calls, per-layer
+private attributes (equal: accepted; different: refused), per-layer settings dicts changed in place between
+calls, a loader thread drawing from every global host generator and uploading while the calls run (its draws
+must come out as if alone), a counter fn bumps and computes with (refused), a module hook on one layer, a
+host random draw,
 ``create_graph=True`` through the scan, and (:func:`draw` with ``crashy=True``,
 for ``scripts/fuzz_scan.py``, which runs in its own process) the ones that used
 to kill the process: a host read (``.item()``), a nested scan, an intermediate
@@ -44,13 +48,16 @@ something else still fails, and XLA's own op numerics do not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import random
 import re
+import threading
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 import torch
@@ -95,7 +102,7 @@ class Program:
 
 
 #: Hazards a traced loop reproduces (compared with the loop) ...
-_KEPT_HAZARDS = ("host_table", "private_equal")
+_KEPT_HAZARDS = ("host_table", "private_equal", "numpy_table", "signed_zero", "layer_cfg", "loader_thread")
 #: ... and those it refuses: (error type, text the message must contain).
 _REFUSED = {
     "private_differs": (txe.ScanInputError, "_k"),
@@ -106,10 +113,11 @@ _REFUSED = {
     "host_read": (txe.ScanUnsupportedError, "item()"),
     "nested": (txe.ScanUnsupportedError, "nested"),
     "keep": (txe.ScanUnsupportedError, "keeps"),
+    "periodic": (txe.ScanUnsupportedError, "changes Python state"),
 }
 #: Hazards that killed the process before they were refused: drawn only for the fuzz script's own process.
 _CRASHY = ("host_read", "nested", "keep")
-_LAYER_ONLY = ("private_equal", "private_differs", "hook")
+_LAYER_ONLY = ("private_equal", "private_differs", "hook", "layer_cfg")
 _HAZARDS = _KEPT_HAZARDS + tuple(_REFUSED)
 
 _kept: list = []  # where the "keep" hazard keeps its intermediates
@@ -146,7 +154,8 @@ def draw(seed: int, crashy: bool = False) -> Program:
     # Drawn last, so every other field of a seed is what it was before hazards existed.
     choices = [h for h in _HAZARDS if (layers or h not in _LAYER_ONLY) and (crashy or h not in _CRASHY)
                and (program.grad or h not in ("create_graph", "host_table_grad"))
-               and not (program.grad and h == "host_table")]
+               and not (program.grad and h in ("host_table", "numpy_table"))
+               and not (program.length == 1 and h == "periodic")]  # one iteration: the loop's own count
     hazard = rng.choice(choices) if rng.random() < 0.4 else "none"
     return dataclasses.replace(program, hazard=hazard)
 
@@ -205,6 +214,13 @@ def _hazard(p: Program, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         return inner
     if p.hazard == "keep":
         _kept.append(h * 2)
+    if p.hazard == "numpy_table":  # a numpy array, rewritten in place between calls
+        return h * torch.tensor(ctx["N"], device=h.device).to(h.dtype)
+    if p.hazard == "signed_zero":  # atan2(+-0, -1) = +-pi: the sign of a numpy zero changes the result
+        return h + 0.1 * torch.atan2(torch.full_like(h, ctx["z"]), torch.full_like(h, -1.0))
+    if p.hazard == "periodic":  # Python state fn changes and computes with: refused, whatever the period
+        ctx["count"][0] += 1
+        return h * (1 + ctx["count"][0] // 2)
     return h
 
 
@@ -239,6 +255,8 @@ class _Layer(torch.nn.Module):
             self.register_buffer("avg", torch.zeros(d))
         self.__dict__["ctx"] = ctx  # shared, not a submodule
         self._k = 1.5  # private_differs gives each layer its own
+        if p.hazard == "layer_cfg":
+            self.cfg = {"scale": 1.25}  # each layer's own settings dict, changed in place between calls
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # A parameter must not be written in place (scan_layers refuses it):
@@ -247,6 +265,8 @@ class _Layer(torch.nn.Module):
         h = _body(self.p, h, self.w, a, self.ctx)
         if self.p.hazard in ("private_equal", "private_differs"):
             h = h * self._k
+        if self.p.hazard == "layer_cfg":
+            h = h * self.cfg["scale"]
         if self.p.buffers:
             self.count.add_(1)
             self.avg.mul_(0.5).add_(h.detach().float().mean(0) * 0.5)
@@ -267,8 +287,10 @@ def _context(p: Program, gen: torch.Generator, device) -> dict:
 
 
 def _with_table(ctx: dict) -> dict:
-    # The host_table hazard's host tensor, derived from b (no draw, so the other values of a seed stay as they were).
-    return {**ctx, "T": 0.5 + torch.sigmoid(ctx["b"].detach().float().cpu())}
+    # The host_table hazard's host tensor and the numpy_table hazard's array, derived from b (no draw, so the
+    # other values of a seed stay as they were); the periodic hazard's counter.
+    table = 0.5 + torch.sigmoid(ctx["b"].detach().float().cpu())
+    return {**ctx, "T": table, "N": table.numpy().copy(), "count": [0]}
 
 
 def _inputs(p: Program, gen: torch.Generator) -> tuple:
@@ -292,7 +314,7 @@ def _to(tree, device, grad: bool):
 
 def _ctx_to(ctx: dict, device) -> dict:
     return {k: (v.detach().to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) and k != "T"
-                else v.clone() if k == "T" else v)
+                else v.clone() if k == "T" else v.copy() if k in ("N", "count") else v)
             for k, v in ctx.items()}
 
 
@@ -305,6 +327,9 @@ def _set_ctx(ctx: dict, values: dict, device) -> None:
     new = _ctx_to(values, device)
     if "T" in ctx:
         ctx["T"].data.copy_(new.pop("T"))
+    if "N" in ctx:
+        ctx["N"][...] = new.pop("N")  # the numpy_table hazard: the same array, new values
+        new.pop("count")  # the periodic hazard's counter goes on
     ctx.update(new)
 
 
@@ -434,6 +459,11 @@ def check(p: Program, device) -> dict:
     if p.hazard in _REFUSED:
         _check_refused(p, device)
         p = dataclasses.replace(p, hazard="none")
+    with _loader_thread(device) if p.hazard == "loader_thread" else contextlib.nullcontext():
+        return _check(p, device)
+
+
+def _check(p: Program, device) -> dict:
     gen = torch.Generator().manual_seed(p.seed)
     weights = torch.randn(4096, generator=gen)
     stats = {"scan_traces": 0, "scan_hits": 0}
@@ -441,6 +471,7 @@ def check(p: Program, device) -> dict:
     init, xs = _inputs(p, gen)
     new_ctx_cpu = _context(p, gen, "cpu")
     new_init, new_xs = _inputs(p, gen)
+    ctx_cpu["z"], new_ctx_cpu["z"] = np.float32(0.0), np.float32(-0.0)  # the signed_zero hazard's zeros
 
     # One step function per side, as a user keeps one: each round puts new
     # values (new tensor objects, new Python numbers) into the dict it reads.
@@ -482,6 +513,50 @@ def check(p: Program, device) -> dict:
     return stats
 
 
+@contextlib.contextmanager
+def _loader_thread(device):
+    """The loader_thread hazard: a thread drawing from every global host generator and uploading, meanwhile.
+
+    Its draws must be exactly those of the same generators seeded alike and drawn from alone: no trace
+    rewinds them (the thread seeds them itself; the programs draw from their own generators only).
+    """
+    done, errors = threading.Event(), []
+    drawn: dict[str, list] = {"torch": [], "random": [], "numpy": []}
+    started = threading.Event()
+
+    def loader() -> None:
+        try:
+            torch.default_generator.manual_seed(21)
+            random.seed(22)
+            np.random.seed(23)
+            started.set()
+            while not done.is_set():
+                t = torch.randn(4)
+                drawn["torch"].append(t)
+                drawn["random"].append(random.random())
+                drawn["numpy"].append(np.random.rand(2))
+                t.to(device).mul_(2)  # a host-to-device copy and a lazy op, as a loader does
+        except BaseException as error:  # reported below
+            errors.append(error)
+            started.set()
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    started.wait(60)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(60)
+    assert not errors, errors
+    torch.default_generator.manual_seed(21)
+    random.seed(22)
+    np.random.seed(23)
+    assert all(torch.equal(t, torch.randn(4)) for t in drawn["torch"]), "the loader's torch draws were rewound"
+    assert all(r == random.random() for r in drawn["random"]), "the loader's random draws were rewound"
+    assert all(np.array_equal(a, np.random.rand(2)) for a in drawn["numpy"]), "the loader's numpy draws were rewound"
+
+
 def _check_layers(p: Program, gen: torch.Generator, ctx_cpu: dict, new_ctx_cpu: dict, device, weights) -> None:
     ctx_dev, ctx_ref, ctx_loop = _ctx_to(ctx_cpu, device), _ctx_to(ctx_cpu, "cpu"), {}
     cpu_layers = torch.nn.ModuleList([_Layer(p, ctx_ref, gen) for _ in range(p.length)]).to(p.dtype)
@@ -496,9 +571,12 @@ def _check_layers(p: Program, gen: torch.Generator, ctx_cpu: dict, new_ctx_cpu: 
     loop_layers = torch.nn.ModuleList([_Layer(p, ctx_loop, spare) for _ in range(p.length)])
     loop_layers.load_state_dict(cpu_layers.state_dict())
     loop_layers = loop_layers.to(p.dtype).to(device)
-    for round_ctx in (ctx_cpu, ctx_cpu, new_ctx_cpu):
+    for round_ctx, scale in ((ctx_cpu, 1.25), (ctx_cpu, 1.25), (new_ctx_cpu, 0.75)):
         for ctx, device_of in ((ctx_dev, device), (ctx_ref, "cpu"), (ctx_loop, device)):
             _set_ctx(ctx, round_ctx, device_of)
+        if p.hazard == "layer_cfg":  # every layer's own dict changed in place, alike
+            for layer in (*dev_layers, *cpu_layers, *loop_layers):
+                layer.cfg["scale"] = scale
         h_cpu = torch.randn(p.batch, p.dim, generator=gen).to(p.dtype)
         got = _run_layers(p, dev_layers, h_cpu.to(device).requires_grad_(p.grad), True, weights)
         ref = _run_layers(p, cpu_layers, h_cpu.clone().requires_grad_(p.grad), False, weights)
