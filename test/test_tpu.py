@@ -1,0 +1,121 @@
+"""tpu.compile: the TPU compiler's per-chip figures for a lazy program, here, with no TPU.
+
+Small programs on the suite's 8-device mesh, compiled for 8-chip topologies
+(about a second each): the memory statistics against hand counts, the two
+ways a program does not fit (outputs past HBM: a peak over it; temporaries
+past HBM: the compiler's refusal), the refusals before anything is lowered,
+and zero bytes moved to the host.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+import torch_xla_ext as txe
+from torch_xla_ext import tpu
+from torch_xla_ext import _tpu_client
+from torch_xla_ext.testing import measure_transfers
+
+_GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def mesh(num_devices):
+    assert num_devices == 8
+    return xs.Mesh(np.arange(8), (8,), ("fsdp",))
+
+
+def _two_linear_step(device, mesh, width: int = 1024, batch: int = 64):
+    torch.manual_seed(0)
+    w1 = torch.randn(width, width).to(device).requires_grad_()
+    w2 = torch.randn(width, width).to(device).requires_grad_()
+    x = torch.randn(batch, width).to(device)
+    for t in (w1, w2, x):
+        xs.mark_sharding(t, mesh, ("fsdp", None))
+    loss = torch.tanh(torch.tanh(x @ w1) @ w2).sum()
+    loss.backward()
+    return loss, w1, w2, x
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v5p:2x2x2", "v6e:2x4"])
+def test_a_sharded_step_compiles_with_the_hand_counted_arguments_and_moves_nothing(device, mesh, topology):
+    loss, w1, w2, x = _two_linear_step(device, mesh)
+    with measure_transfers() as moved:
+        r = tpu.compile([loss, w1.grad, w2.grad], topology=topology)
+    assert not moved.device_to_host, moved.report()
+    # Per chip: an eighth of each weight and of the batch (float32).
+    assert r.argument_bytes == (2 * 1024 * 1024 + 64 * 1024) * 4 // 8
+    assert r.chips == 8 and r.topology == topology and r.fits
+    assert r.hbm_bytes == tpu.HBM_BYTES[r.device_kind]
+    assert r.peak_bytes >= r.argument_bytes and r.flops > 0 and r.bytes_accessed > 0 and r.while_loops == 0
+    assert r.collectives  # the partitioned program gathers the weights
+    assert "peak per chip" in str(r) and topology in str(r)
+    # Nothing ran: the graph is still pending, and runs afterwards.
+    assert torch.isfinite(loss.cpu())
+
+
+def _compile_huge(device, make) -> tpu.CompiledForTpu:
+    """Compile a program over a 17 GiB lazy value; the value dies here, so no later sync can run it."""
+    return tpu.compile(make(device), topology="v5e:2x4")
+
+
+def _replicated_output(device):
+    return torch.zeros(17 * _GIB // 4, device=device) + 1.0
+
+
+def _drawn_temporary(device):
+    drawn = torch.rand(17 * _GIB // 4, device=device)  # the random bits are a 17 GiB temporary
+    return drawn.sum() + drawn.max()
+
+
+def test_outputs_past_hbm_compile_and_do_not_fit(device):
+    # A replicated 17 GiB output: the compiler accepts it (outputs are not checked against HBM), the
+    # peak says it does not fit.
+    r = _compile_huge(device, _replicated_output)
+    assert not r.fits and r.error is None
+    assert r.peak_bytes >= 17 * _GIB > r.hbm_bytes
+    assert r.headroom_bytes < 0 and "NO" in str(r)
+
+
+def test_temporaries_past_hbm_are_a_does_not_fit_not_an_exception(device):
+    r = _compile_huge(device, _drawn_temporary)
+    assert not r.fits and r.error is not None and "RESOURCE_EXHAUSTED" in r.error
+
+
+def test_a_scan_compiles_and_its_flops_are_not_claimed(device, mesh):
+    h = torch.randn(8, 256).to(device)
+    xs.mark_sharding(h, mesh, ("fsdp", None))
+    weights = torch.randn(4, 256, 256).to(device)
+    c, _ = txe.scan(lambda c, w: (torch.tanh(c @ w), None), h, weights)
+    r = tpu.compile(c, topology="v5e:2x4")
+    assert r.fits and r.while_loops >= 1
+    assert r.flops is None and r.bytes_accessed is None and "counts once" in str(r)
+
+
+def test_refusals_come_before_anything_is_lowered(device, mesh):
+    loss, *_ = _two_linear_step(device, mesh, width=64, batch=8)
+    with pytest.raises(ValueError, match="does not know the topology 'v9z:1x1'.*v5p:2x2x2"):
+        tpu.compile(loss, topology="v9z:1x1")
+    with pytest.raises(ValueError, match="partitioned over 8 devices but v5e:2x2 has 4 chips"):
+        tpu.compile(loss, topology="v5e:2x2")
+    with pytest.raises(ValueError, match="must name a TPU slice"):
+        tpu.compile(loss, topology="eight chips")
+    with pytest.raises(TypeError, match="XLA tensor"):
+        tpu.compile(torch.ones(2), topology="v5e:2x4")
+    assert torch.isfinite(loss.cpu())  # the pending graph is untouched
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    _tpu_client.topology_devices.cache_clear()
+    try:
+        with pytest.raises(tpu.TpuUnavailable, match=r"pip install -e '\.\[tpu\]'"):
+            _tpu_client.topology_devices("v5e:2x4")
+    finally:
+        _tpu_client.topology_devices.cache_clear()

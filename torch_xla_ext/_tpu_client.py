@@ -1,0 +1,85 @@
+"""The only door to jax and libtpu: libtpu's compile-only client, reached through ``jax.experimental.topologies``.
+
+It compiles a serialized HloModuleProto for a TPU topology on a machine
+with no TPU attached (nothing is executed, no TPU is opened) and reads the
+compiled program's memory statistics, cost analysis and optimized HLO.
+Build options are torch_xla's: SPMD partitioning on, the Shardy partitioner
+off (torch_xla emits GSPMD annotations), sharding propagation to the outputs
+allowed (without it the gradients come out replicated).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo"]
+
+#: Topologies the compile-only client was seen to compile for here (the refusal lists them).
+KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
+
+
+class TpuUnavailable(ImportError):
+    """jax or libtpu is not installed."""
+
+
+def _jax() -> tuple[Any, Any, Any]:
+    try:
+        from jax.experimental import topologies
+        from jax._src.lib import _jax as jaxlib_ext
+        from jax._src.lib import xla_client
+        import libtpu  # noqa: F401  (the compiler itself)
+    except ImportError as error:
+        raise TpuUnavailable(
+            f"torch_xla_ext.tpu needs jax and libtpu ({error.name} is missing): pip install -e '.[tpu]' "
+            f"(jax==0.7.1 and libtpu==0.0.21, as torch_xla 2.9's own extras pin them)"
+        ) from error
+    return topologies, jaxlib_ext, xla_client
+
+
+@functools.cache
+def topology_devices(name: str) -> tuple:
+    """The compile-only devices of topology ``name`` (``"v5p:2x2x2"``); ValueError for an unknown one."""
+    topologies, _, _ = _jax()
+    with _quiet_stderr():  # libtpu warns that it finds no TPU host: there is none, by design
+        try:
+            return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+        except Exception as error:  # noqa: BLE001 - libtpu's own error type varies by version
+            raise ValueError(
+                f"tpu.compile: libtpu does not know the topology {name!r} ({str(error).splitlines()[0][:200]}); "
+                f"seen to work here: {', '.join(KNOWN_TOPOLOGIES)}"
+            ) from None
+
+
+def compile_hlo(hlo: bytes, devices: tuple) -> Any:
+    """Compile ``hlo`` (a serialized HloModuleProto, SPMD-partitioned over ``len(devices)``) for ``devices``."""
+    _, jaxlib_ext, xla_client = _jax()
+    import numpy as np
+
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas = 1
+    build.num_partitions = len(devices)
+    build.use_spmd_partitioning = True
+    build.use_shardy_partitioner = False
+    build.allow_spmd_sharding_propagation_to_output = [True]
+    build.device_assignment = xla_client.DeviceAssignment.create(np.arange(len(devices)).reshape(1, len(devices)))
+    module = jaxlib_ext.mlir.hlo_to_stablehlo(hlo)
+    return devices[0].client.compile(module, jaxlib_ext.DeviceList(devices), options)
+
+
+class _quiet_stderr:
+    """Silence file descriptor 2 (libtpu's C++ logging) while libtpu starts; Python's own stderr is left alone."""
+
+    def __enter__(self) -> None:
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc: object) -> None:
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
