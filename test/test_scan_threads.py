@@ -11,40 +11,52 @@ import textwrap
 
 from child_process import SPMD_CHILD, run_surviving
 
-_LOADER_DRAWS = SPMD_CHILD + textwrap.dedent('''
-    import random, threading
+#: A loader thread running while the main thread scans: ``alongside(loader, step, steps)`` returns how
+#: many of the main thread's steps were refused.
+_ALONGSIDE = SPMD_CHILD + textwrap.dedent('''
+    import threading
     import torch_xla_ext as txe
+
+    def alongside(loader, step, steps):
+        done = threading.Event()
+        thread = threading.Thread(target=loader, args=(done,))
+        thread.start()
+        refused = 0
+        try:
+            for i in range(steps):
+                try:
+                    step(i)
+                except txe.ScanUnsupportedError as error:
+                    refused += 1
+                    print("refused:", str(error)[:200])
+        finally:
+            done.set()
+            thread.join()
+        torch_xla.sync()
+        return refused
+''')
+
+_LOADER_DRAWS = _ALONGSIDE + textwrap.dedent('''
+    import random
 
     layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)]).to(dev)
     x = torch.randn(8, 16).to(dev)
     w = torch.randn(16).to(dev)
-    done = threading.Event()
     drawn = {"torch": [], "random": [], "numpy": []}
 
-    def loader():  # shuffling and augmenting on the host, as a data loader thread does
+    def loader(done):  # shuffling and augmenting on the host, as a data loader thread does
         while not done.is_set():
             drawn["torch"].append(torch.randn(3))
             drawn["random"].append(random.random())
             drawn["numpy"].append(np.random.rand(2))
 
+    def step(i):
+        txe.scan(lambda c, xi: (torch.tanh(c * w + xi), None), torch.zeros(16, device=dev),
+                 torch.ones(3, 16, device=dev) * i)
+        txe.scan_layers(layers, x).sum().backward()
+
     torch.manual_seed(11); random.seed(12); np.random.seed(13)
-    thread = threading.Thread(target=loader)
-    thread.start()
-    refused = 0
-    try:
-        for step in range(12):
-            try:
-                c, _ = txe.scan(lambda c, xi: (torch.tanh(c * w + xi), None), torch.zeros(16, device=dev),
-                                torch.ones(3, 16, device=dev) * step)
-                out = txe.scan_layers(layers, x)
-                out.sum().backward()
-            except txe.ScanUnsupportedError as error:
-                refused += 1
-                print("refused:", str(error)[:200])
-    finally:
-        done.set()
-        thread.join()
-    torch_xla.sync()
+    refused = alongside(loader, step, 12)
     # The same generators seeded alike, drawn from alone: the loader's draws must be exactly these.
     n = {k: len(v) for k, v in drawn.items()}
     torch.manual_seed(11); random.seed(12); np.random.seed(13)
@@ -63,15 +75,11 @@ def test_a_loader_thread_drawing_host_random_numbers_is_neither_rewound_nor_blam
     assert out.splitlines()[-1] == "refused 0 draws True unchanged True switch True", out
 
 
-_LOADER_UPLOADS = SPMD_CHILD + textwrap.dedent('''
-    import threading
-    import torch_xla_ext as txe
-
+_LOADER_UPLOADS = _ALONGSIDE + textwrap.dedent('''
     w = torch.randn(16).to(dev)
-    done = threading.Event()
-    uploaded, errors = [], []
+    uploaded, errors, results = [], [], []
 
-    def loader():  # host batches copied to the device, as torch_xla's loader threads do
+    def loader(done):  # host batches copied to the device, as torch_xla's loader threads do
         gen = torch.Generator().manual_seed(5)
         try:
             while not done.is_set():
@@ -79,22 +87,11 @@ _LOADER_UPLOADS = SPMD_CHILD + textwrap.dedent('''
         except BaseException as error:  # reported below
             errors.append(repr(error)[:300])
 
-    thread = threading.Thread(target=loader)
-    thread.start()
-    results, refused = [], 0
-    try:
-        for step in range(12):
-            try:
-                c, _ = txe.scan(lambda c, xi: (c * w + xi, None), torch.zeros(16, device=dev),
-                                torch.ones(3, 16, device=dev) * step)
-                results.append(c)
-            except txe.ScanUnsupportedError as error:
-                refused += 1
-                print("refused:", str(error)[:200])
-    finally:
-        done.set()
-        thread.join()
-    torch_xla.sync()
+    def step(i):
+        results.append(txe.scan(lambda c, xi: (c * w + xi, None), torch.zeros(16, device=dev),
+                                torch.ones(3, 16, device=dev) * i)[0])
+
+    refused = alongside(loader, step, 12)
     expected = []
     for step in range(12):
         c = torch.zeros(16)
