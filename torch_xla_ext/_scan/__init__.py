@@ -3,18 +3,24 @@
 ``scan(fn, init, xs)`` has the semantics of ``jax.lax.scan``. The package is
 layered; each module holds one idea and imports only the ones above it:
 
+``draws``     host random draws of a traced step, told apart per thread.
 ``guard``     what may not happen while a step is traced (host reads, nested
-              scans, host random draws), refused with ``ScanUnsupportedError``.
+              scans, host random draws), refused with ``ScanUnsupportedError``;
+              torch_xla's execution switch, shared by reference count.
 ``lift``      a ``TorchFunctionMode`` that replaces the outside tensors a step
               reads with stand-ins (loop operands), fingerprints the trace and
               refuses writes into outside tensors and host reads.
+``state``     the Python state a step reaches, keyed by contents: whether a
+              trace changed it (then every iteration is traced).
 ``trace``     runs a step lazily on placeholders under the lifter: nothing
               executes and no device memory is allocated.
 ``sharding``  reads and re-applies the shardings of inputs and outputs.
 ``backend``   lowering choices made for one backend's code generation.
 ``loop``      lowers one traced step into an XLA ``while`` loop with a named
               operand layout, and adds it to the lazy graph.
-``autograd``  AOTAutograd's forward/backward split, each graph run as a loop.
+``aot``       AOTAutograd's split of a step into forward and backward graphs,
+              without its process-wide generator snapshot.
+``autograd``  the forward and backward graphs, each run as a loop.
 ``cache``     the one registry of lowered loops (keyed by fn and fingerprint).
 ``api``       ``scan``: argument checks, and one call as four stages: ``capture``
               (trace fn), ``cache_key``, ``plan`` (look up or lower), ``run``.
