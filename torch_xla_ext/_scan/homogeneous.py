@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import struct
 import types
@@ -86,30 +87,47 @@ _KEY_NODES = 4096
 _KEY_DEPTH = 8
 
 
-def value_key(value: object) -> object:
+def value_key(value: object, memo: dict[int, object] | None = None) -> object:
     """What ``value`` holds, comparable and hashable: two values with equal keys compute alike when read.
 
     Numbers by their bits (``-0.0`` is not ``0.0``; NaN payloads differ),
-    strings, dtypes and enums by value; tuples, lists, sets, dicts,
-    ``SimpleNamespace`` and dataclass instances by their items; host tensors,
-    numpy arrays and numpy scalars by dtype, shape and a hash of their bytes.
-    Anything else (an XLA tensor, an arbitrary object), and what lies past
+    strings, dtypes and enums by value; classes, functions and modules as
+    themselves (code); tuples, lists, sets, dicts, ``SimpleNamespace``,
+    dataclass instances, ``functools.partial`` and other objects with a
+    ``__dict__`` (a model's config) by their items; host tensors, numpy arrays
+    and numpy scalars by dtype, shape and a hash of their bytes. Anything else
+    (an XLA tensor, an object without a ``__dict__``), and what lies past
     :data:`_KEY_NODES` items or :data:`_KEY_DEPTH` levels, is named by identity
-    (:func:`by_contents` tells whether a key has such a part).
+    (:func:`by_contents` tells whether a key has such a part). ``memo`` keys
+    an object reached twice (a config every layer shares) once.
     """
-    return _key(value, [_KEY_NODES], 0)
+    return _key(value, [_KEY_NODES], 0, {} if memo is None else memo)
 
 
-def _key(value: object, budget: list[int], depth: int) -> object:
+#: Types keyed as they are, looked up by exact type first (most attributes are one of these).
+_EXACT = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
+_pack_double = struct.Struct("<d").pack
+_pack_complex = struct.Struct("<dd").pack
+#: Objects that are code, keyed as themselves (compared by identity, yet no state a call changes).
+_CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodWrapperType,
+         types.WrapperDescriptorType, types.MethodDescriptorType)
+
+
+def _key(value: object, budget: list[int], depth: int, memo: dict[int, object]) -> object:
+    kind = type(value)
+    if kind in _EXACT:
+        return (kind, value)
+    if kind is float:
+        return ("f", _pack_double(value))
     budget[0] -= 1
     if budget[0] < 0 or depth > _KEY_DEPTH:
         return _Identity(id(value))
     if isinstance(value, float):
-        return ("f", struct.pack("<d", value))
+        return ("f", _pack_double(value))
     if isinstance(value, complex):
-        return ("c", struct.pack("<dd", value.real, value.imag))
+        return ("c", _pack_complex(value.real, value.imag))
     if isinstance(value, _PLAIN):
-        return (type(value), value)
+        return (kind, value)
     if isinstance(value, np.generic) and value.dtype != object:
         return ("np", value.dtype.str, value.tobytes())
     if isinstance(value, np.ndarray) and value.dtype != object:
@@ -119,20 +137,30 @@ def _key(value: object, budget: list[int], depth: int) -> object:
         data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         return ("t", tuple(value.shape), value.dtype, value.requires_grad,
                 hashlib.blake2b(data, digest_size=16).digest())
+    if isinstance(value, _CODE):
+        return ("code", value)
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_key(v, budget, depth + 1) for v in value))
+        return (kind, tuple(_key(v, budget, depth + 1, memo) for v in value))
     if isinstance(value, (set, frozenset)):
-        keys = [_key(v, budget, depth + 1) for v in value]
-        return (type(value), frozenset(keys)) if all(_hashable(k) for k in keys) else _Identity(id(value))
+        keys = [_key(v, budget, depth + 1, memo) for v in value]
+        return (kind, frozenset(keys)) if all(_hashable(k) for k in keys) else _Identity(id(value))
     if isinstance(value, dict):
-        return (type(value), tuple((_key(k, budget, depth + 1), _key(v, budget, depth + 1))
-                                   for k, v in value.items()))
-    if isinstance(value, types.SimpleNamespace):
-        return (type(value), _key(vars(value), budget, depth + 1))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value), tuple((f.name, _key(getattr(value, f.name), budget, depth + 1))
-                                   for f in dataclasses.fields(value)))
-    return _Identity(id(value))
+        return (kind, tuple((_key(k, budget, depth + 1, memo), _key(v, budget, depth + 1, memo))
+                            for k, v in value.items()))
+    if isinstance(value, functools.partial):
+        return (kind, _key((value.func, value.args, value.keywords), budget, depth + 1, memo))
+    if isinstance(value, torch.Tensor) or not hasattr(value, "__dict__"):
+        return _Identity(id(value))
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = _Identity(id(value))  # while it is being keyed: a cycle back to it names it
+    if dataclasses.is_dataclass(value):
+        items = tuple((f.name, _key(getattr(value, f.name), budget, depth + 1, memo))
+                      for f in dataclasses.fields(value))
+    else:  # SimpleNamespace, a config object, any plain object: its attributes
+        items = _key(vars(value), budget, depth + 1, memo)
+    memo[id(value)] = key = (kind, items)
+    return key
 
 
 class _Identity(int):
@@ -156,9 +184,10 @@ def by_contents(key: object) -> bool:
     return True
 
 
-def attribute_key(layer: torch.nn.Module) -> tuple:
+def attribute_key(layer: torch.nn.Module, memo: dict[int, object] | None = None) -> tuple:
     """The Python attributes of ``layer`` and its submodules (not members, children or hooks), comparable."""
-    return tuple((path, name, value_key(value)) for path, name, value in _readable(layer))
+    memo = {} if memo is None else memo
+    return tuple((path, name, value_key(value, memo)) for path, name, value in _readable(layer))
 
 
 def attribute_values(layer: torch.nn.Module) -> list[object]:
@@ -168,7 +197,8 @@ def attribute_values(layer: torch.nn.Module) -> list[object]:
 
 def attribute_groups(layers: Sequence[torch.nn.Module]) -> list[list[int]]:
     """Indices of the layers whose attributes differ from ``layers[0]``'s, grouped by equal attributes."""
-    keys = [attribute_key(layer) for layer in layers]
+    memo: dict[int, object] = {}  # objects the layers share (a config) are keyed once
+    keys = [attribute_key(layer, memo) for layer in layers]
     groups: dict[tuple, list[int]] = {}
     for i, key in enumerate(keys[1:], start=1):
         if key != keys[0]:
