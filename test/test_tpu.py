@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch_xla
 import torch_xla.distributed.spmd as xs
 
 import torch_xla_ext as txe
