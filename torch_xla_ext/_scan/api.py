@@ -22,7 +22,8 @@ from .guard import describe_callable, one_call_at_a_time, refuse_nested
 from .loop import _lower, _run
 from .sharding import _canonical_specs, _shard_like
 from .state import ReachableState
-from .trace import Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates
+from .trace import (Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates,
+                    same_trace)
 
 PyTree = Any
 
@@ -321,8 +322,7 @@ def _trace_each_iteration(fn: Callable, step: Callable, first: _Traced, changed:
     for iteration in range(1, iterations):
         again = _trace(step, carry_sig, x_sig)
         made += again.made
-        same = (again.fingerprint == first.fingerprint and again.mutated == first.mutated
-                and [id(t) for t in again.outside] == [id(t) for t in first.outside])
+        same = same_trace(again, first)
         del again
         if not same:
             raise ScanUnsupportedError(
@@ -426,8 +426,7 @@ def _scan_flat(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec
     try:
         key = cache_key(captured, init_l, xs_l, length, reverse, partition_fn)
         chosen = plan(fn, key, captured, lambda: capture(fn, init_spec, x_spec, init_l, xs_l, watch_state=False),
-                      init_l, xs_l,
-                      length, reverse, partition_fn, pure)
+                      init_l, xs_l, length, reverse, partition_fn, pure)
         captured.release(fn)
         carry_l, ys, _ = run(chosen, captured, init_l, xs_l, length)
         return carry_l, ys

@@ -48,8 +48,8 @@ import torch
 
 from .. import _watch
 
-__all__ = ["HostDraw", "watching", "python_random_state", "NumpyGlobalHeld", "generator_name", "torch_host_draw", "TORCH_CPU",
-           "NUMPY_GLOBAL"]
+__all__ = ["HostDraw", "watching", "python_random_state", "NumpyGlobalHeld", "generator_name", "torch_host_draw",
+           "TORCH_CPU", "NUMPY_GLOBAL"]
 
 TORCH_CPU = "torch's CPU generator (torch.rand/randn/randint/... on the host)"
 NUMPY_GLOBAL = "numpy's global random state"

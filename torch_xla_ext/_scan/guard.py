@@ -167,7 +167,7 @@ def tracing(api: str = "scan", watch: bool = False, last: bool = True) -> Iterat
     _local.depth = getattr(_local, "depth", 0) + 1
     numpy_global = NumpyGlobalHeld()
     try:
-        with execution_refused(), scan_step_trace(), (watching() if watch else _unwatched()) as watched, \
+        with execution_refused(), scan_step_trace(), (watching() if watch else contextlib.nullcontext()) as watched, \
                 numpy_global:
             yield
     except HostDraw as error:
@@ -194,11 +194,6 @@ def tracing(api: str = "scan", watch: bool = False, last: bool = True) -> Iterat
         if len(sys.modules) != modules and not last:
             raise TraceAgain()
         raise refusing_draw(api, [NUMPY_GLOBAL], "")
-
-
-@contextlib.contextmanager
-def _unwatched() -> Iterator[None]:
-    yield None
 
 
 #: Tensor methods and torch functions that read a tensor's values on the host,

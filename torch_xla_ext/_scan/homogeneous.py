@@ -20,16 +20,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import hashlib
-import struct
 import types
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from .errors import ScanInputError
 from .guard import describe_callable
+from .lift import bits_key, content_digest
 from .sharding import _canonical_specs
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -106,8 +104,6 @@ def value_key(value: object, memo: dict[int, object] | None = None) -> object:
 
 #: Types keyed as they are, looked up by exact type first (most attributes are one of these).
 _EXACT = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
-_pack_double = struct.Struct("<d").pack
-_pack_complex = struct.Struct("<dd").pack
 #: Objects that are code, keyed as themselves (compared by identity, yet no state a call changes).
 _CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodWrapperType,
          types.WrapperDescriptorType, types.MethodDescriptorType)
@@ -118,25 +114,19 @@ def _key(value: object, budget: list[int], depth: int, memo: dict[int, object]) 
     if kind in _EXACT:
         return (kind, value)
     if kind is float:
-        return ("f", _pack_double(value))
+        return bits_key(value)
     budget[0] -= 1
     if budget[0] < 0 or depth > _KEY_DEPTH:
         return _Identity(id(value))
-    if isinstance(value, float):
-        return ("f", _pack_double(value))
-    if isinstance(value, complex):
-        return ("c", _pack_complex(value.real, value.imag))
+    bits = bits_key(value)  # numbers by their bits, numpy values by their bytes, as scan's fingerprint keys them
+    if bits is not None:
+        return bits
     if isinstance(value, _PLAIN):
         return (kind, value)
-    if isinstance(value, np.generic) and value.dtype != object:
-        return ("np", value.dtype.str, value.tobytes())
-    if isinstance(value, np.ndarray) and value.dtype != object:
-        return ("nd", value.shape, value.dtype.str, hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8),
-                                                                    digest_size=16).digest())
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided:
-        data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        return ("t", tuple(value.shape), value.dtype, value.requires_grad,
-                hashlib.blake2b(data, digest_size=16).digest())
+        digest = content_digest(value)
+        if digest is not None:
+            return ("t", tuple(value.shape), value.dtype, value.requires_grad, digest)
     if isinstance(value, _CODE):
         return ("code", value)
     if isinstance(value, (tuple, list)):

@@ -21,7 +21,7 @@ from .homogeneous import (attribute_groups, attribute_key, attribute_values, by_
                           check_members, describe_difference, layer_state, value_key)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
-from .trace import refuse_kept_intermediates
+from .trace import refuse_kept_intermediates, same_trace
 
 
 class _Call(NamedTuple):
@@ -308,8 +308,7 @@ def _check_same_trace(layers: list[torch.nn.Module], groups: list[list[int]], na
         if seen is not None and seen in verified:
             continue
         other = captured.retrace(_layer_step(layers[k], names, shapes, call))
-        same = (other.fingerprint == traced.fingerprint and other.mutated == traced.mutated
-                and [id(t) for t in other.outside] == [id(t) for t in traced.outside])
+        same = same_trace(other, traced)
         made = other.made
         del other
         refuse_kept_intermediates(made, lambda k=k: describe_callable(layers[k]))

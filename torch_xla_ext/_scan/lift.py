@@ -45,7 +45,7 @@ from .errors import ScanUnsupportedError
 from .draws import TORCH_CPU, torch_host_draw
 from .guard import host_read, refusing_draw, user_frame
 
-__all__ = ["Lifter", "is_inplace_call", "ValueIdentity"]
+__all__ = ["Lifter", "is_inplace_call", "ValueIdentity", "bits_key", "content_digest"]
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
@@ -107,7 +107,31 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _content_digest(t: torch.Tensor) -> bytes | None:
+_pack_double = struct.Struct("<d").pack
+_pack_complex = struct.Struct("<dd").pack
+
+
+def bits_key(value: Any) -> tuple | None:
+    """A number or numpy value keyed by what it holds, bit for bit; None for any other value.
+
+    Floats and complex numbers by their bits (``-0.0`` is not ``0.0``, NaN
+    payloads differ), numpy scalars by dtype and bits (``np.float32(-0.0)``),
+    numpy arrays by dtype, shape and a hash of their bytes (a table passed to
+    ``torch.tensor(table)`` and rewritten in place between calls).
+    """
+    if isinstance(value, float):
+        return ("f", _pack_double(value))
+    if isinstance(value, complex):
+        return ("c", _pack_complex(value.real, value.imag))
+    if isinstance(value, np.generic) and value.dtype != object:
+        return ("np", value.dtype.str, value.tobytes())
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        return ("nd", value.shape, value.dtype.str,
+                hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=16).digest())
+    return None
+
+
+def content_digest(t: torch.Tensor) -> bytes | None:
     """A 128-bit hash of a host tensor's bytes (None for layouts without plain bytes: sparse, meta, ...)."""
     try:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -246,22 +270,14 @@ class Lifter(TorchFunctionMode):
             # constant), so the plan is keyed by its contents. A write through
             # .data or a numpy view moves no version counter; contents catch it.
             self.reads_host = True
-            digest = _content_digest(value)
+            digest = content_digest(value)
             if digest is not None:
                 return ("h", tuple(value.shape), value.dtype, value.device.type, digest)
             self.held.append(value)
             return ("h", id(value), value._version, value.device.type)
-        if isinstance(value, float):  # by bits: -0.0 is not 0.0, NaN payloads differ
-            return ("f", struct.pack("<d", value))
-        if isinstance(value, complex):
-            return ("c", struct.pack("<dd", value.real, value.imag))
-        if isinstance(value, np.generic) and value.dtype != object:  # np.float32(-0.0): by dtype and bits
-            return ("np", value.dtype.str, value.tobytes())
-        if isinstance(value, np.ndarray) and value.dtype != object:
-            # torch.tensor(table) / torch.as_tensor(table) bake the array's values into the trace:
-            # keyed by contents, so a table updated in place between calls is read as it is now.
-            return ("nd", value.shape, value.dtype.str,
-                    hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=16).digest())
+        bits = bits_key(value)  # numbers and numpy values (torch.tensor(table) bakes a table in)
+        if bits is not None:
+            return bits
         if isinstance(value, (bool, int, str, type(None), torch.dtype, torch.device, torch.layout,
                               torch.memory_format, type(Ellipsis))):
             return (type(value).__name__, value)

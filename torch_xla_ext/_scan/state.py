@@ -37,23 +37,9 @@ _SKIPPED = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, typ
             functools.partial)
 
 
-class _Attributes:
-    """An object reached as ``self`` (or called itself): keyed by its attributes, not its identity."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-
 def _key(value: Any) -> object:
-    if isinstance(value, torch.nn.Module):
-        return attribute_key(value)
-    if isinstance(value, _Attributes):
-        return value_key(getattr(value.obj, "__dict__", None))
-    return value_key(value)
-
-
-def _holder(obj: Any) -> Any:
-    return obj if isinstance(obj, torch.nn.Module) else _Attributes(obj)
+    # A plain object (``self`` of a bound method, a callable object) is keyed by its attributes by value_key.
+    return attribute_key(value) if isinstance(value, torch.nn.Module) else value_key(value)
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -74,7 +60,7 @@ def _reachable(fn: Any, found: dict[str, Any], seen: set[int], depth: int = 0) -
         _reachable(fn.func, found, seen, depth + 1)
         return
     if isinstance(fn, types.MethodType):
-        found["self"] = _holder(fn.__self__)
+        found["self"] = fn.__self__
         _reachable(fn.__func__, found, seen, depth + 1)
         return
     if isinstance(fn, torch.nn.Module):
@@ -83,7 +69,7 @@ def _reachable(fn: Any, found: dict[str, Any], seen: set[int], depth: int = 0) -
     code = getattr(fn, "__code__", None)
     if code is None:
         if callable(fn) and not isinstance(fn, _SKIPPED):  # a callable object: its attributes
-            found[type(fn).__name__] = _holder(fn)
+            found[type(fn).__name__] = fn
             _reachable(type(fn).__call__, found, seen, depth + 1)
         return
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):

@@ -182,6 +182,12 @@ def _trace_on_placeholders(step: Callable, carry: Sequence[Sig], x: Sequence[Sig
                    lifter.held, lifter.made, lifter.reads_host)
 
 
+def same_trace(a: _Traced, b: _Traced) -> bool:
+    """Whether two lifting traces of one signature lower to the same loop over the same outside tensors."""
+    return (a.fingerprint == b.fingerprint and a.mutated == b.mutated
+            and [id(t) for t in a.outside] == [id(t) for t in b.outside])
+
+
 def _raise_caught_refusal(lifter: Lifter) -> None:
     """Raise the refusal ``fn`` caught (``except Exception:``) and went on from without the refused value."""
     if lifter.refusal is not None:
