@@ -437,6 +437,112 @@ std::vector<HostTransfer> Module::HostTransfers() const {
   return out;
 }
 
+namespace {
+
+// The counter `k` when `ins` reads element k of computation `comp`'s
+// parameter 0 (the loop state); nullopt otherwise.
+std::optional<int64_t> StateElement(const Module& m, const Instruction& ins, int comp) {
+  if (ins.opcode != "get-tuple-element" || ins.operand_ids.size() != 1) return std::nullopt;
+  const auto loc = m.InstructionLocation(ins.operand_ids[0], comp);
+  if (loc.first != comp) return std::nullopt;
+  const Instruction& param = m.computations[comp].instructions[loc.second];
+  if (param.opcode != "parameter" || param.parameter_number != 0) return std::nullopt;
+  return ins.tuple_index;
+}
+
+std::optional<int64_t> ConstantOperand(const Module& m, int64_t id, int comp) {
+  const auto loc = m.InstructionLocation(id, comp);
+  if (loc.first != comp) return std::nullopt;
+  return m.computations[comp].instructions[loc.second].integer_value;
+}
+
+const Instruction* Root(const Module& m, int comp) {
+  const auto loc = m.InstructionLocation(m.computations[comp].root_id, comp);
+  if (loc.first != comp) return nullptr;
+  return &m.computations[comp].instructions[loc.second];
+}
+
+// The trip count of a loop in the counted form a scan lowers to (XLA's own
+// analysis matches the same form): state element k starts at a constant c0
+// (element k of a tuple of the while's own computation), the body's root
+// tuple sets it to k + s with a constant s > 0, and the condition's root
+// compares it with a constant bound: k < c, k <= c, k != c (c0 <= c and
+// (c - c0) divisible by s), or the same written with the constant first.
+std::optional<int64_t> InferTripCount(const Module& m, int ci, const Instruction& w, int body,
+                                      int cond) {
+  if (body < 0 || cond < 0 || w.operand_ids.size() != 1) return std::nullopt;
+  const Instruction* test = Root(m, cond);
+  if (test == nullptr || test->opcode != "compare" || test->operand_ids.size() != 2) {
+    return std::nullopt;
+  }
+  std::string direction = test->comparison_direction;
+  std::optional<int64_t> k, bound;
+  for (int side = 0; side < 2 && !k; ++side) {
+    const auto loc = m.InstructionLocation(test->operand_ids[side], cond);
+    if (loc.first != cond) return std::nullopt;
+    k = StateElement(m, m.computations[cond].instructions[loc.second], cond);
+    if (k) {
+      bound = ConstantOperand(m, test->operand_ids[1 - side], cond);
+      if (side == 1) {  // bound OP k: mirror the direction
+        if (direction == "GT") direction = "LT";
+        else if (direction == "GE") direction = "LE";
+        else if (direction != "NE") return std::nullopt;
+      }
+    }
+  }
+  if (!k || !bound) return std::nullopt;
+
+  const auto init_loc = m.InstructionLocation(w.operand_ids[0], ci);
+  if (init_loc.first != ci) return std::nullopt;
+  const Instruction& init = m.computations[ci].instructions[init_loc.second];
+  if (init.opcode != "tuple" || *k < 0 || *k >= static_cast<int64_t>(init.operand_ids.size())) {
+    return std::nullopt;
+  }
+  const std::optional<int64_t> start = ConstantOperand(m, init.operand_ids[*k], ci);
+
+  const Instruction* next = Root(m, body);
+  if (!start || next == nullptr || next->opcode != "tuple" ||
+      *k >= static_cast<int64_t>(next->operand_ids.size())) {
+    return std::nullopt;
+  }
+  const auto add_loc = m.InstructionLocation(next->operand_ids[*k], body);
+  if (add_loc.first != body) return std::nullopt;
+  const Instruction& add = m.computations[body].instructions[add_loc.second];
+  if (add.opcode != "add" || add.operand_ids.size() != 2) return std::nullopt;
+  std::optional<int64_t> step;
+  for (int side = 0; side < 2 && !step; ++side) {
+    const auto loc = m.InstructionLocation(add.operand_ids[side], body);
+    if (loc.first != body) return std::nullopt;
+    if (StateElement(m, m.computations[body].instructions[loc.second], body) == k) {
+      step = ConstantOperand(m, add.operand_ids[1 - side], body);
+    }
+  }
+  if (!step || *step <= 0) return std::nullopt;
+
+  // Trips while the counter, from *start by *step, stays below `limit`.
+  int64_t limit;
+  if (direction == "LT") {
+    limit = *bound;
+  } else if (direction == "LE") {
+    if (__builtin_add_overflow(*bound, 1, &limit)) return std::nullopt;
+  } else if (direction == "NE") {
+    int64_t span;
+    if (*bound < *start || __builtin_sub_overflow(*bound, *start, &span) || span % *step != 0) {
+      return std::nullopt;
+    }
+    limit = *bound;
+  } else {
+    return std::nullopt;
+  }
+  if (limit <= *start) return 0;
+  int64_t span;
+  if (__builtin_sub_overflow(limit, *start, &span)) return std::nullopt;
+  // The counter must not overflow on the way (the last value is below limit).
+  return span / *step + (span % *step != 0 ? 1 : 0);
+}
+
+}  // namespace
+
 std::vector<WhileLoop> Module::WhileLoops() const {
   std::vector<WhileLoop> out;
   for (int ci = 0; ci < static_cast<int>(computations.size()); ++ci) {
@@ -455,8 +561,16 @@ std::vector<WhileLoop> Module::WhileLoops() const {
         w.condition_id = ins.called_computation_ids[1];
       }
       w.known_trip_count = ins.known_trip_count;
+      w.op_name = ins.op_name;
       // Counted by BuildIndex.
       const int body = ComputationIndexById(w.body_id);
+      const int cond = ComputationIndexById(w.condition_id);
+      w.inferred_trip_count = InferTripCount(*this, ci, ins, body, cond);
+      if (cond >= 0) {
+        for (const Instruction& c : computations[cond].instructions) {
+          if (c.integer_value) w.condition_constants.push_back(*c.integer_value);
+        }
+      }
       if (body >= 0 && body < static_cast<int>(body_instruction_counts.size()) &&
           body_instruction_counts[body] >= 0) {
         w.body_instruction_count = body_instruction_counts[body];

@@ -314,6 +314,61 @@ void MergeFrontendAttributes(
   entries = std::move(merged);
 }
 
+// OpMetadata: the op name only.
+void DecodeMetadata(Cursor c, std::string& op_name, Budget& budget) {
+  while (!c.done()) {
+    const Tag tag = c.ReadTag();
+    if (tag.field == MetadataField::kOpName) {
+      ReadStringField(c, tag, op_name, budget);
+    } else {
+      c.Skip(tag);
+    }
+  }
+}
+
+// LiteralProto: the value when the literal holds exactly one integer
+// (s32/s64/u32/u64, packed or not) that fits int64. Values are counted, not
+// stored, so a large constant costs no memory here.
+std::optional<int64_t> DecodeIntegerLiteral(Cursor c) {
+  int64_t count = 0;
+  std::optional<int64_t> value;
+  auto take = [&](uint64_t raw, uint32_t field) {
+    ++count;
+    switch (field) {
+      case LiteralField::kS32s:  // int32 varints are sign-extended to 64 bits
+        value = static_cast<int64_t>(static_cast<int32_t>(raw));
+        break;
+      case LiteralField::kU32s:
+        value = static_cast<int64_t>(static_cast<uint32_t>(raw));
+        break;
+      case LiteralField::kS64s:
+        value = static_cast<int64_t>(raw);
+        break;
+      default:  // kU64s
+        if (raw > static_cast<uint64_t>(kInt64Max)) {
+          value.reset();
+        } else {
+          value = static_cast<int64_t>(raw);
+        }
+    }
+  };
+  while (!c.done()) {
+    const Tag tag = c.ReadTag();
+    const bool integer = tag.field == LiteralField::kS32s || tag.field == LiteralField::kS64s ||
+                         tag.field == LiteralField::kU32s || tag.field == LiteralField::kU64s;
+    if (integer && tag.wire_type == kVarint) {
+      take(c.ReadVarint(), tag.field);
+    } else if (integer && tag.wire_type == kLengthDelimited) {
+      Cursor packed = c.ReadSub();
+      while (!packed.done()) take(packed.ReadVarint(), tag.field);
+    } else {
+      c.Skip(tag);
+    }
+  }
+  if (count != 1) return std::nullopt;
+  return value;
+}
+
 // ---------------------------------------------------------------------------
 // Instructions, computations.
 
@@ -326,6 +381,7 @@ void DecodeInstruction(Cursor c, Instruction& ins, FieldPath& path,
   bool has_device_list = false;
   DeviceList device_list;
   std::vector<std::vector<int64_t>> legacy_groups;
+  std::optional<int64_t> literal;
 
   while (!c.done()) {
     const Tag tag = c.ReadTag();
@@ -340,6 +396,19 @@ void DecodeInstruction(Cursor c, Instruction& ins, FieldPath& path,
         ReadMessageField(c, tag, path, "shape", -1, [&](Cursor sub) {
           DecodeShape(sub, ins.shape, path, budget);
         });
+        break;
+      case InstructionField::kMetadata:
+        ReadMessageField(c, tag, path, "metadata", -1, [&](Cursor sub) {
+          DecodeMetadata(sub, ins.op_name, budget);
+        });
+        break;
+      case InstructionField::kLiteral:
+        ReadMessageField(c, tag, path, "literal", -1, [&](Cursor sub) {
+          literal = DecodeIntegerLiteral(sub);
+        });
+        break;
+      case InstructionField::kComparisonDirection:
+        ReadStringField(c, tag, ins.comparison_direction, budget);
         break;
       case InstructionField::kParameterNumber:
         ReadInt64(c, tag, ins.parameter_number);
@@ -432,6 +501,10 @@ void DecodeInstruction(Cursor c, Instruction& ins, FieldPath& path,
   }
   if (ins.opcode == "while") {
     ins.known_trip_count = KnownTripCountFromBackendConfig(ins.backend_config);
+  }
+  if (ins.opcode == "constant" && !ins.shape.is_tuple() &&
+      ins.shape.dimensions.empty()) {
+    ins.integer_value = literal;
   }
 }
 

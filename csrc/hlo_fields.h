@@ -40,6 +40,8 @@ struct InstructionField {
     kName = 1,
     kOpcode = 2,
     kShape = 3,
+    kMetadata = 7,
+    kLiteral = 8,
     kParameterNumber = 9,
     kTupleIndex = 13,
     kChannelId = 26,
@@ -52,8 +54,26 @@ struct InstructionField {
     kIsHostTransfer = 47,
     kReplicaGroups = 49,  // deprecated in favour of kCollectiveDeviceList
     kSourceTargetPairs = 52,
+    kComparisonDirection = 63,
     kFrontendAttributes = 68,
     kCollectiveDeviceList = 87,
+  };
+};
+
+// xla.OpMetadata (only the op name is read)
+struct MetadataField {
+  enum : uint32_t {
+    kOpName = 2,
+  };
+};
+
+// xla.LiteralProto (only integer values are read)
+struct LiteralField {
+  enum : uint32_t {
+    kS32s = 4,
+    kS64s = 5,
+    kU32s = 6,
+    kU64s = 7,
   };
 };
 

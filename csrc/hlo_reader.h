@@ -223,6 +223,11 @@ struct Instruction {
   std::string backend_config;
   // known_trip_count.n of a while loop's backend_config, JSON or binary.
   std::optional<int64_t> known_trip_count;
+  // The value of an integer scalar constant (a literal holding exactly one
+  // s32/s64/u32/u64 value that fits int64); nullopt for anything else.
+  std::optional<int64_t> integer_value;
+  std::string comparison_direction;  // "LT", "GE", ... of a compare
+  std::string op_name;               // metadata.op_name
 
   // Byte offset of the instruction's message in the input (for diagnostics).
   std::size_t offset = 0;
@@ -256,9 +261,16 @@ struct WhileLoop {
   int64_t condition_id = -1;  // -1 when missing
   int64_t body_id = -1;
   std::optional<int64_t> known_trip_count;
+  // The trip count read from the loop itself when it has the counted form
+  // (see InferTripCount in hlo_analyses.cc); nullopt otherwise.
+  std::optional<int64_t> inferred_trip_count;
   // Instructions of the body and of every computation reachable from it
   // through called computations, each computation counted once.
   int64_t body_instruction_count = 0;
+  std::string op_name;  // the while instruction's metadata.op_name
+  // The integer scalar constants of the condition computation, in order:
+  // what the loop's bound became after a compiler rewrote the condition.
+  std::vector<int64_t> condition_constants;
 };
 
 struct Module {

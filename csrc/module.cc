@@ -99,7 +99,9 @@ struct RecordKeys {
       is_host_transfer{"is_host_transfer"}, channel_id{"channel_id"},
       replica_groups{"replica_groups"}, sharding{"sharding"},
       frontend_attributes{"frontend_attributes"},
-      source_target_pairs{"source_target_pairs"}, computation{"computation"};
+      source_target_pairs{"source_target_pairs"}, computation{"computation"},
+      integer_value{"integer_value"},
+      comparison_direction{"comparison_direction"};
 
   static const RecordKeys& Get() {
     static const RecordKeys* keys = new RecordKeys();  // never destroyed
@@ -112,7 +114,8 @@ struct RecordKeys {
                          &called_computation_ids, &parameter_number,
                          &custom_call_target, &is_host_transfer, &channel_id,
                          &replica_groups, &sharding, &frontend_attributes,
-                         &source_target_pairs, &computation}) {
+                         &source_target_pairs, &computation, &integer_value,
+                         &comparison_direction}) {
       PyObject* raw = key->release().ptr();
       PyUnicode_InternInPlace(&raw);
       *key = py::reinterpret_steal<py::str>(raw);
@@ -248,6 +251,10 @@ py::dict InstructionRecord(const Instruction& ins, const py::str& computation,
   d[k.frontend_attributes] = attributes;
   d[k.computation] = computation;
   d[k.source_target_pairs] = pairs;
+  d[k.integer_value] = ins.integer_value
+                           ? py::object(py::int_(*ins.integer_value))
+                           : py::object(py::none());
+  d[k.comparison_direction] = ins.comparison_direction;
   return d;
 }
 
@@ -419,6 +426,9 @@ PYBIND11_MODULE(_C, m) {
           "backend_config",
           [](const Instruction& ins) { return py::bytes(ins.backend_config); })
       .def_readonly("known_trip_count", &Instruction::known_trip_count)
+      .def_readonly("integer_value", &Instruction::integer_value)
+      .def_readonly("comparison_direction", &Instruction::comparison_direction)
+      .def_readonly("op_name", &Instruction::op_name)
       .def_readonly("offset", &Instruction::offset);
 
   py::class_<Computation>(m, "Computation")
@@ -444,8 +454,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("condition_id", &WhileLoop::condition_id)
       .def_readonly("body_id", &WhileLoop::body_id)
       .def_readonly("known_trip_count", &WhileLoop::known_trip_count)
+      .def_readonly("inferred_trip_count", &WhileLoop::inferred_trip_count)
       .def_readonly("body_instruction_count",
-                    &WhileLoop::body_instruction_count);
+                    &WhileLoop::body_instruction_count)
+      .def_readonly("op_name", &WhileLoop::op_name)
+      .def_readonly("condition_constants", &WhileLoop::condition_constants);
 
   py::class_<Module, std::shared_ptr<Module>>(m, "Module")
       .def_readonly("name", &Module::name)

@@ -68,7 +68,7 @@ def f_group(field: int, *parts: bytes) -> bytes:
 
 
 # xla.PrimitiveType values used below.
-PRED, S32, S64, F32, TUPLE, BF16, TOKEN, S4, F16, U8 = 1, 4, 5, 11, 13, 16, 17, 21, 10, 6
+PRED, S32, S64, F32, TUPLE, BF16, TOKEN, S4, F16, U8, U32, U64 = 1, 4, 5, 11, 13, 16, 17, 21, 10, 6, 8, 9
 
 
 def shape(element_type: int, dims=(), tuple_shapes=()) -> bytes:
@@ -262,3 +262,41 @@ def _expect_parse_error(data: bytes, match: str | None = None) -> str:
     if match is not None:
         assert re.search(match, message), message
     return message
+
+
+def counted_loop_module(start, step, bound, direction, *, bound_first=False, counter_dtype=S64, literal_field=5,
+                        step_elsewhere=False) -> bytes:
+    """A module with one while loop over state (counter, f32[4]): the counter starts at `start`, the body
+    adds `step`, the condition compares it with `bound` by `direction` (the bound first if `bound_first`).
+    ``step_elsewhere`` adds the step to the other state element instead (no counted form)."""
+    counter, vec = shape(counter_dtype), shape(F32, (4,))
+    state = shape(TUPLE, tuple_shapes=(counter, vec))
+
+    def const(name, id_, value):
+        return instruction(name, "constant", id_, counter, extra=f_msg(8, f_len(1, counter), f_packed(literal_field, [value])))
+
+    def gte(name, id_, operand, index, shp):
+        return instruction(name, "get-tuple-element", id_, shp, (operand,), extra=f_int(13, index))
+
+    body = computation("body", 20, 25, [
+        instruction("bp", "parameter", 21, state, param=0),
+        gte("bi", 22, 21, 0, counter),
+        const("bstep", 23, step),
+        instruction("bnext", "add", 24, counter, (23, 22) if step_elsewhere is False else (23, 23)),
+        instruction("broot", "tuple", 25, state, (24, 26)),
+        gte("bv", 26, 21, 1, vec),
+    ])
+    compare_operands = (33, 32) if bound_first else (32, 33)
+    cond = computation("cond", 30, 34, [
+        instruction("cp", "parameter", 31, state, param=0),
+        gte("ci", 32, 31, 0, counter),
+        const("cbound", 33, bound),
+        instruction("ctest", "compare", 34, shape(PRED), compare_operands, extra=f_str(63, direction)),
+    ])
+    entry = computation("main", 10, 14, [
+        const("start", 11, start),
+        instruction("x", "parameter", 12, vec, param=0),
+        instruction("init", "tuple", 13, state, (11, 12)),
+        instruction("loop", "while", 14, state, (13,), (20, 30), extra=f_msg(7, f_str(2, "scan/loop"))),
+    ])
+    return module("counted", "main", 10, [body, cond, entry])

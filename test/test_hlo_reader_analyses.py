@@ -7,7 +7,8 @@ import torch
 
 from torch_xla_ext.hlo import read_hlo
 
-from hlo_encoding import BODY_ID, COND_ID, F32, analysis_module, computation, f_len, f_str, instruction, module, shape
+from hlo_encoding import (BODY_ID, COND_ID, F32, S32, S64, U32, U64, analysis_module, computation, counted_loop_module, f_len,
+                          f_str, instruction, module, shape)
 
 
 # ---------------------------------------------------------------------------
@@ -106,3 +107,52 @@ def test_the_summary_clips_very_long_names():
     text = read_hlo(module(long_module, "c", 7, [comp])).summary()
     assert len(text) < 2_000, len(text)
     assert "(5000000 chars)" in text and "(3000 chars)" in text
+
+
+# ---------------------------------------------------------------------------
+# Trip counts read from the loop itself.
+
+
+@pytest.mark.parametrize(
+    "start, step, bound, direction, bound_first, expected",
+    [
+        (0, 1, 16, "LT", False, 16),
+        (0, 1, 16, "LE", False, 17),
+        (3, 2, 10, "LT", False, 4),  # 3, 5, 7, 9
+        (3, 2, 11, "LT", False, 4),
+        (0, 1, 16, "GT", True, 16),  # 16 > i
+        (0, 1, 16, "GE", True, 17),
+        (0, 4, 16, "NE", False, 4),
+        (5, 1, 2, "LT", False, 0),  # never runs
+        (-4, 1, 4, "LT", False, 8),
+        (0, 1, 16, "GT", False, None),  # counts down from the start: not the counted form
+        (0, 1, 16, "LT", True, None),  # 16 < i
+        (0, 3, 16, "NE", False, None),  # steps over the bound: runs forever
+        (0, 0, 16, "LT", False, None),
+        (0, -1, 16, "LT", False, None),
+        (0, 1, 2**63 - 1, "LE", False, None),  # the bound + 1 overflows
+    ],
+)
+def test_trip_count_is_read_from_a_counted_loop(start, step, bound, direction, bound_first, expected):
+    mod = read_hlo(counted_loop_module(start, step, bound, direction, bound_first=bound_first))
+    (loop,) = mod.while_loops()
+    assert loop.known_trip_count is None and loop.trip_count == expected
+    assert loop.op_name == "scan/loop" and loop.condition_constants == (bound,)
+    assert mod.instruction(11).integer_value == start and mod.instruction(34).comparison_direction == direction
+
+
+def test_trip_count_needs_the_counter_stepped_in_the_body():
+    (loop,) = read_hlo(counted_loop_module(0, 1, 16, "LT", step_elsewhere=True)).while_loops()
+    assert loop.trip_count is None
+
+
+@pytest.mark.parametrize("dtype, field, value", [(S32, 4, -7), (S64, 5, -(2**40)), (U32, 6, 2**32 - 1), (U64, 7, 2**63 - 1)])
+def test_integer_constants_of_each_width(dtype, field, value):
+    mod = read_hlo(counted_loop_module(value, 1, 0, "LT", counter_dtype=dtype, literal_field=field))
+    assert mod.instruction(11).integer_value == value
+
+
+def test_an_integer_past_int64_or_a_float_constant_has_no_integer_value():
+    assert read_hlo(counted_loop_module(2**63, 1, 0, "LT", literal_field=7)).instruction(11).integer_value is None
+    with_float = read_hlo(counted_loop_module(0, 1, 4, "LT", literal_field=8))  # an f32s field
+    assert with_float.instruction(11).integer_value is None and with_float.while_loops()[0].trip_count is None

@@ -172,6 +172,8 @@ class HloInstruction:
     ``channel_id`` is None when unset (XLA treats non-positive ids as unset).
     ``replica_groups`` comes from ``collective_device_list`` when present
     (iota lists expanded), otherwise from the deprecated ``replica_groups``.
+    ``integer_value`` is the value of an integer scalar constant (None for
+    any other instruction); ``comparison_direction`` that of a compare.
     """
 
     id: int
@@ -189,6 +191,8 @@ class HloInstruction:
     frontend_attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
     computation: str = ""
     source_target_pairs: tuple[tuple[int, int], ...] = ()
+    integer_value: int | None = None
+    comparison_direction: str = ""
 
 
 @dataclass(frozen=True)
@@ -278,8 +282,16 @@ class HostTransfer:
 class WhileLoop:
     """A while loop, its computations, and what is known of its trip count.
 
+    ``known_trip_count`` is what the loop's backend_config states;
+    ``trip_count`` is that, else the count read from the loop itself when it
+    has the counted form (a state element starting at a constant, stepped by
+    a positive constant in the body, compared with a constant bound by
+    ``<``, ``<=`` or ``!=`` in the condition), else None.
     ``body_instruction_count`` counts the body's instructions plus those of
     every computation reachable from it (each computation once).
+    ``op_name`` is the while instruction's metadata op name and
+    ``condition_constants`` the integer scalar constants of its condition:
+    what ties a loop a compiler rewrote to the loop it came from.
     """
 
     instruction: HloInstruction
@@ -288,6 +300,9 @@ class WhileLoop:
     body: str | None
     known_trip_count: int | None
     body_instruction_count: int
+    trip_count: int | None = None
+    op_name: str = ""
+    condition_constants: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------

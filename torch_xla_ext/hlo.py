@@ -208,6 +208,9 @@ class HloModule:
                     body=body.name if body is not None else None,
                     known_trip_count=rec.known_trip_count,
                     body_instruction_count=rec.body_instruction_count,
+                    trip_count=rec.known_trip_count if rec.known_trip_count is not None else rec.inferred_trip_count,
+                    op_name=rec.op_name,
+                    condition_constants=tuple(rec.condition_constants),
                 )
             )
         return tuple(out)
@@ -268,7 +271,7 @@ class HloModule:
                         w.computation,
                         w.body or "-",
                         w.condition or "-",
-                        "unknown" if w.known_trip_count is None else str(w.known_trip_count),
+                        "unknown" if w.trip_count is None else str(w.trip_count),
                         str(w.body_instruction_count),
                     ]
                 )
