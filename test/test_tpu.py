@@ -87,14 +87,60 @@ def test_temporaries_past_hbm_are_a_does_not_fit_not_an_exception(device):
     assert not r.fits and r.error is not None and "RESOURCE_EXHAUSTED" in r.error
 
 
-def test_a_scan_compiles_and_its_flops_are_not_claimed(device, mesh):
-    h = torch.randn(8, 256).to(device)
+def _scan_step(device, mesh, length: int, unrolled: bool = False):
+    torch.manual_seed(0)
+    h = torch.randn(64, 256).to(device)
+    w = torch.randn(length, 256, 256).to(device)
     xs.mark_sharding(h, mesh, ("fsdp", None))
-    weights = torch.randn(4, 256, 256).to(device)
-    c, _ = txe.scan(lambda c, w: (torch.tanh(c @ w), None), h, weights)
-    r = tpu.compile(c, topology="v5e:2x4")
-    assert r.fits and r.while_loops >= 1
-    assert r.flops is None and r.bytes_accessed is None and "counts once" in str(r)
+    xs.mark_sharding(w, mesh, (None, "fsdp", None))
+    if unrolled:
+        for k in range(length):
+            h = torch.tanh(h @ w[k])
+        return h
+    c, _ = txe.scan(lambda c, w: (torch.tanh(c @ w), None), h, w)
+    return c
+
+
+def _compiled_scan(device, mesh, length, unrolled=False):
+    with tpu.lowering():
+        return tpu.compile(_scan_step(device, mesh, length, unrolled), topology="v5e:2x4")
+
+
+def test_a_scan_costs_its_body_once_per_trip(device, mesh):
+    short, middle, long = (_compiled_scan(device, mesh, n) for n in (2, 4, 8))
+    assert (short.trip_counts, middle.trip_counts, long.trip_counts) == ((2,), (4,), (8,)) and "8 trips" in str(long)
+    # Linear in the trips: going from 4 to 8 adds twice what going from 2 to 4 adds.
+    for figure in ("flops", "bytes_accessed"):
+        a, b, c = (getattr(r, figure) for r in (short, middle, long))
+        assert c - b == pytest.approx(2 * (b - a), rel=1e-6) and b - a > 0, figure
+    # Nearly all flops are the body's: 4 times the trips, 4 times the flops.
+    assert long.flops == pytest.approx(4 * short.flops, rel=1e-3)
+    # Against the same layers unrolled: the per-layer matmul (64 x 256 @ 256 x 256 per chip after the
+    # gather, 2 flops per multiply-add) is nearly all of both (the scan adds under 1% per trip).
+    unrolled = _compiled_scan(device, mesh, 8, unrolled=True)
+    assert unrolled.while_loops == 0
+    matmuls = 8 * 2 * (64 // 8) * 256 * 256
+    assert unrolled.flops == pytest.approx(matmuls, rel=1e-3)  # tanh counts as a transcendental
+    assert unrolled.flops < long.flops < 1.01 * unrolled.flops
+    # Collectives in the body count once per trip: the 2-trip scan's gathers, 4 times over.
+    assert long.collectives["all-gather"] == tuple(4 * n for n in short.collectives["all-gather"])
+
+
+def test_a_scan_lowered_with_the_cpu_choices_is_refused(device, mesh):
+    with pytest.raises(ValueError, match=r"XLA:CPU-only choices \(scan_cpu_codegen.*tpu\.lowering\(\)"):
+        tpu.compile(_scan_step(device, mesh, 2), topology="v5e:2x4")
+
+
+def test_a_loop_of_unknown_trip_count_gets_no_flops(device):
+    from torch._higher_order_ops.while_loop import while_loop
+
+    import torch_xla.experimental.fori_loop  # noqa: F401  registers the XLA lowering
+
+    start = torch.tensor(0, dtype=torch.int64, device=device)  # device data: the count is not in the program
+    _, out = while_loop(lambda i, v: i < 5, lambda i, v: (i + 1, torch.sin(v) @ v), (start, torch.ones(8, 8, device=device)))
+    r = tpu.compile(out, topology="v5e:2x4")
+    assert r.trip_counts == (None,) and r.flops is None and r.bytes_accessed is None
+    assert "trip count unknown" in str(r) and "not given" in str(r)
 
 
 def test_refusals_come_before_anything_is_lowered(device, mesh):

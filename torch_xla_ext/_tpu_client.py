@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo"]
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "computation_cost"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
@@ -68,6 +68,39 @@ def compile_hlo(hlo: bytes, devices: tuple) -> Any:
     build.device_assignment = xla_client.DeviceAssignment.create(np.arange(len(devices)).reshape(1, len(devices)))
     module = jaxlib_ext.mlir.hlo_to_stablehlo(hlo)
     return devices[0].client.compile(module, jaxlib_ext.DeviceList(devices), options)
+
+
+def computation_cost(module_text: str, computation: str | None = None) -> dict[str, float]:
+    """XLA's cost analysis (flops, bytes accessed, ...) of one computation of an optimized module's text.
+
+    ``computation`` None analyses the entry. Another computation (a loop
+    body) is analysed as if it were the entry: each loop inside it counted
+    once, as XLA counts them. The compile-only client has no cost model, so
+    the host's CPU client runs the analysis; it reads the TPU program as
+    written (flops do not depend on the device; bytes use the shapes' sizes).
+    """
+    import re
+
+    _, jaxlib_ext, _ = _jax()
+    import jax
+
+    if computation is not None:
+        lines = module_text.splitlines()
+        found = False
+        for n, line in enumerate(lines):
+            if line.startswith("HloModule "):
+                # The entry's layout no longer describes the entry.
+                lines[n] = re.sub(r", entry_computation_layout=\{.*?\}(?=, [a-z_]+=|$)", "", line)
+            elif line.startswith("ENTRY "):
+                lines[n] = line[len("ENTRY "):]
+            elif line.startswith(f"%{computation} ("):
+                lines[n] = "ENTRY " + line
+                found = True
+        if not found:
+            raise ValueError(f"computation_cost: no computation {computation!r} in the module")
+        module_text = "\n".join(lines)
+    module = jaxlib_ext.hlo_module_from_text(module_text)
+    return dict(jaxlib_ext.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
 
 
 class _quiet_stderr:

@@ -20,20 +20,22 @@ runs), no host memory of the real job, no data loading.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from ._format import format_bytes
-from ._tpu_client import TpuUnavailable, compile_hlo, topology_devices
-from .hlo import read_hlo
+from ._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
+from ._tpu_client import TpuUnavailable, compile_hlo, computation_cost, topology_devices
+from .hlo import HloModule, read_hlo
 from .lowering import LoweringContext
 from .transfer_guard import no_host_transfers
 
-__all__ = ["CompiledForTpu", "TpuUnavailable", "compile", "HBM_BYTES"]
+__all__ = ["CompiledForTpu", "TpuUnavailable", "compile", "lowering", "HBM_BYTES"]
 
 _GIB = 1 << 30
 
@@ -56,16 +58,19 @@ class CompiledForTpu:
     alias_bytes: int
     temp_bytes: int
     generated_code_bytes: int
-    #: XLA's cost analysis per chip; None when the program has a while loop (XLA counts a loop's body
-    #: once whatever its trip count, so the figure would be too low).
+    #: XLA's cost analysis per chip, each while body counted as many times as its loop runs; None when
+    #: a loop's trip count is unknown (XLA itself counts a body once, which would be too low).
     flops: float | None
     bytes_accessed: float | None
     while_loops: int
     compile_seconds: float
-    #: The partitioned program's collectives: kind -> (count, operand bytes), per chip, loops counted once.
+    #: The partitioned program's collectives: kind -> (count, operand bytes) per chip, those in a loop
+    #: body counted once per trip (once when its trip count is unknown: see ``trip_counts``).
     collectives: dict[str, tuple[int, int]]
     #: The compiler's refusal when the program's temporaries exceed HBM (then the byte counts are 0).
     error: str | None = None
+    #: Each while loop's trip count in the compiled program (None: unknown), in the program's order.
+    trip_counts: tuple[int | None, ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
@@ -86,8 +91,11 @@ class CompiledForTpu:
                      ("outputs", f"{format_bytes(self.output_bytes)} ({format_bytes(self.alias_bytes)} aliased)"),
                      ("temporaries", format_bytes(self.temp_bytes)),
                      ("generated code", format_bytes(self.generated_code_bytes))]
+            if self.trip_counts:
+                rows.append(("while loops", ", ".join("trip count unknown" if n is None else f"{n} trips"
+                                                      for n in self.trip_counts)))
             if self.flops is None:
-                rows.append(("flops", f"not given: {self.while_loops} while loop(s), whose bodies XLA counts once"))
+                rows.append(("flops", "not given: a while loop's trip count is unknown"))
             else:
                 rows += [("flops", f"{self.flops:.4g}"), ("bytes accessed", f"{self.bytes_accessed:.4g}")]
             for kind, (count, size) in sorted(self.collectives.items()):
@@ -97,11 +105,26 @@ class CompiledForTpu:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+@contextlib.contextmanager
+def lowering() -> Iterator[None]:
+    """Build the program for :func:`compile` in here: scans lower as they would on a TPU.
+
+    On this machine's CPU device, scans lower with choices that only help
+    XLA:CPU's code generation (a guard on each sliced layer, stacked layers
+    merged to one dimension); a TPU job's program has neither, and
+    :func:`compile` refuses a program that has them. The same as
+    ``TORCH_XLA_EXT_CPU_CODEGEN=0`` for the block.
+    """
+    with forced_cpu_codegen(False):
+        yield
+
+
 def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> CompiledForTpu:  # noqa: A001
     """Compile the pending graph of ``outputs`` for ``topology`` with libtpu's compile-only client.
 
-    Raises ValueError for an unknown topology or a program partitioned over
-    another number of devices than the topology's chips, and
+    Raises ValueError for an unknown topology, a program partitioned over
+    another number of devices than the topology's chips, or one built with
+    the XLA:CPU lowering choices (build it inside :func:`lowering`), and
     :class:`TpuUnavailable` (an ImportError) without jax and libtpu
     (``pip install -e '.[tpu]'``), each before anything is lowered.
     """
@@ -129,6 +152,14 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> Co
         ctx = LoweringContext("tpu_compile")
         ctx.build(tensors)
         hlo = ctx.hlo()
+    lowered = read_hlo(hlo)
+    cpu_only = sorted({c.name for c in lowered.computations if CPU_CODEGEN_MARK in c.name})
+    if cpu_only:
+        raise ValueError(
+            f"tpu.compile: the program holds {len(cpu_only)} computation(s) lowered with XLA:CPU-only choices "
+            f"({', '.join(cpu_only[:3])}{', ...' if len(cpu_only) > 3 else ''}), which a TPU job's program does "
+            f"not have; build the program inside `with tpu.lowering():` (or with {CPU_CODEGEN_ENV}=0)"
+        )
     start = time.perf_counter()
     try:
         executable = compile_hlo(hlo, devices)
@@ -140,20 +171,105 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> Co
                               time.perf_counter() - start, {}, error=message.splitlines()[0][:400])
     seconds = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
-    optimized = read_hlo(executable.hlo_modules()[0].as_serialized_hlo_module_proto())
-    loops = len(optimized.while_loops())
-    cost = executable.cost_analysis() if loops == 0 else {}
+    optimized_module = executable.hlo_modules()[0]
+    optimized = read_hlo(optimized_module.as_serialized_hlo_module_proto())
+    trips = _trip_counts(optimized, lowered)
+    text = optimized_module.to_string()
+    flops, bytes_accessed = _trip_counted_cost(optimized, trips, text)
+    runs = _runs_per_computation(optimized, trips)
     collectives: dict[str, tuple[int, int]] = {}
     for c in optimized.collectives():
+        times = runs.get(c.computation)
+        times = 1 if times is None else times
         count, size = collectives.get(c.kind, (0, 0))
-        collectives[c.kind] = (count + 1, size + c.operand_bytes)
+        collectives[c.kind] = (count + times, size + times * c.operand_bytes)
     peak = int(stats.peak_memory_in_bytes)
     return CompiledForTpu(
         topology=topology, chips=len(devices), device_kind=kind, hbm_bytes=hbm, fits=peak <= hbm,
         peak_bytes=peak, argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes), alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes), generated_code_bytes=int(stats.generated_code_size_in_bytes),
-        flops=cost.get("flops") if loops == 0 else None,
-        bytes_accessed=cost.get("bytes accessed") if loops == 0 else None,
-        while_loops=loops, compile_seconds=seconds, collectives=collectives,
+        flops=flops, bytes_accessed=bytes_accessed, while_loops=len(trips), compile_seconds=seconds,
+        collectives=collectives, trip_counts=tuple(trips.values()),
     )
+
+
+def _trip_counts(optimized: HloModule, lowered: HloModule) -> dict[str, int | None]:
+    """Each loop of the compiled program (by instruction name) -> its trip count, None when unknown.
+
+    The compiler rewrites a loop's counter (on TPU into a pair of 32-bit
+    words), so the count is read from the loop it came from in the lowered
+    program (named by the last part of the compiled loop's op name) and
+    accepted only when the compiled condition still compares with that
+    count: a loop the compiler unrolled or otherwise re-counted is unknown.
+    """
+    lowered_counts = {w.instruction.name: w.trip_count for w in lowered.while_loops()}
+    trips: dict[str, int | None] = {}
+    for w in optimized.while_loops():
+        n = w.trip_count
+        if n is None:
+            source = lowered_counts.get(w.op_name.rsplit("/", 1)[-1]) if w.op_name else None
+            n = source if source is not None and source in w.condition_constants else None
+        trips[w.instruction.name] = n
+    return trips
+
+
+def _trip_counted_cost(optimized: HloModule, trips: dict[str, int | None],
+                       text: str) -> tuple[float | None, float | None]:
+    """(flops, bytes accessed) of the compiled program with each loop body counted once per trip."""
+    entry = optimized.entry.name
+    loops_in: dict[str, list] = {}
+    for w in optimized.while_loops():
+        loops_in.setdefault(w.computation, []).append(w)
+    bodies = {w.body for w in optimized.while_loops()}
+    if any(trips[w.instruction.name] is None or w.body is None for w in optimized.while_loops()):
+        return None, None
+    if any(holder != entry and holder not in bodies for holder in loops_in):
+        return None, None  # a loop inside a called computation: not read here
+
+    def counted(computation: str) -> tuple[float, float]:
+        once = computation_cost(text, None if computation == entry else computation)
+        flops, accessed = float(once.get("flops", 0.0)), float(once.get("bytes accessed", 0.0))
+        for w in loops_in.get(computation, ()):
+            body_once = computation_cost(text, w.body)
+            body_flops, body_accessed = counted(w.body)
+            n = trips[w.instruction.name]
+            flops += n * body_flops - float(body_once.get("flops", 0.0))
+            accessed += n * body_accessed - float(body_once.get("bytes accessed", 0.0))
+        return flops, accessed
+
+    return counted(entry)
+
+
+def _runs_per_computation(optimized: HloModule, trips: dict[str, int | None]) -> dict[str, int | None]:
+    """How many times each computation runs per execution of the program (None: a loop's count unknown)."""
+    by_id = {c.id: c for c in optimized.computations}
+    callers: dict[str, list[tuple[str, int | None]]] = {}
+    for comp in optimized.computations:
+        for ins in comp.instructions:
+            for k, callee_id in enumerate(ins.called_computation_ids):
+                callee = by_id.get(callee_id)
+                if callee is None:
+                    continue
+                factor: int | None = 1
+                if ins.opcode == "while":
+                    n = trips.get(ins.name)
+                    factor = None if n is None else (n if k == 0 else n + 1)  # body, then condition
+                callers.setdefault(callee.name, []).append((comp.name, factor))
+    runs: dict[str, int | None] = {optimized.entry.name: 1}
+
+    def count(name: str, seen: frozenset = frozenset()) -> int | None:
+        if name in runs:
+            return runs[name]
+        if name in seen:  # a cycle: not valid HLO
+            return None
+        total: int | None = 0
+        for caller, factor in callers.get(name, ()):
+            caller_runs = count(caller, seen | {name})
+            total = None if total is None or caller_runs is None or factor is None else total + caller_runs * factor
+        runs[name] = total
+        return total
+
+    for comp in optimized.computations:
+        count(comp.name)
+    return runs

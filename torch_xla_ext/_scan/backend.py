@@ -35,7 +35,9 @@ choices exist only to keep that code small:
 environment variable ``TORCH_XLA_EXT_CPU_CODEGEN`` (``1``/``0``) or
 :func:`forced_cpu_codegen` forces them on or off. On any other backend a loop
 has no select and stacked members keep their shape. The bound is never an
-operand: no backend uploads anything for it.
+operand: no backend uploads anything for it. A computation built with either
+choice carries :data:`CPU_CODEGEN_MARK` in its name (:func:`computation_name`),
+so a program compiled for another backend (``tpu.compile``) can tell.
 """
 
 from __future__ import annotations
@@ -47,12 +49,20 @@ from collections.abc import Callable, Iterator
 
 from .._xla import xla_builder
 
-__all__ = ["CPU_CODEGEN_ENV", "cpu_codegen", "forced_cpu_codegen"]
+__all__ = ["CPU_CODEGEN_ENV", "CPU_CODEGEN_MARK", "computation_name", "cpu_codegen", "forced_cpu_codegen"]
 
 #: Environment variable forcing the XLA:CPU lowering choices on (``1``) or off (``0``).
 CPU_CODEGEN_ENV = "TORCH_XLA_EXT_CPU_CODEGEN"
 
+#: Part of the name of every computation built with an XLA:CPU lowering choice.
+CPU_CODEGEN_MARK = "_cpu_codegen"
+
 _forced: list[bool] = []
+
+
+def computation_name(name: str, cpu_choices: bool) -> str:
+    """``name``, marked with :data:`CPU_CODEGEN_MARK` when the computation uses an XLA:CPU choice."""
+    return name + CPU_CODEGEN_MARK if cpu_choices else name
 
 
 def cpu_codegen() -> bool:

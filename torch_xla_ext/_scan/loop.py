@@ -10,7 +10,7 @@ import torch
 
 from ..lowering import LoweringContext
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _guard, _scalar_guard, cpu_codegen, runtime_bound
+from .backend import _guard, _scalar_guard, computation_name, cpu_codegen, runtime_bound
 from .trace import _signature, _Traced
 
 
@@ -119,7 +119,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
                      has_seed=seed_id >= 0)
     guarded = cpu_codegen()
 
-    builder = xb.create_builder(name)
+    builder = xb.create_builder(computation_name(name, guarded))
     shapes = [xb.mkshape(xb.Type.S64, ())]
     shapes += [xb.tensor_shape(t) for t in traced.carry_ph]
     shapes += [xb.mkshape(xb.Op.from_torch_type(t.dtype), (length, *t.shape)) for t in traced.x_ph]
@@ -161,7 +161,11 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
         return xb.Op.tuple(layout.join(ops._replace(i=ops.i + one, carry=new_carry, ys=new_ys)))
 
-    computation = xb.Op.mkwhile(operands, cond_fn, body_fn).build(name)
+    # The counter starts from a constant, not from parameter 0 (which the call
+    # still passes): the loop then has the counted form whose trip count the
+    # HLO reader reads (HloModule.while_loops()), for tpu.compile's costs.
+    operands[0] = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
+    computation = xb.Op.mkwhile(operands, cond_fn, body_fn).build(computation_name(name, guarded))
     return _Loop(computation, layout, tuple((tuple(y.shape), y.dtype) for y in traced.ys), tuple(constants))
 
 

@@ -12,7 +12,7 @@ import torch
 from .._annotate import is_replicated_spec
 from .._format import parse_tiled_spec
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _guard, cpu_codegen, runtime_bound
+from .backend import _guard, computation_name, cpu_codegen, runtime_bound
 from .cache import on_clear
 from .loop import _slice_op
 from .sharding import _apply_shardings, _sharding_of
@@ -132,11 +132,12 @@ def _stack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], dt
     ``flat`` is the member's stacked layout (see :func:`_stacked_layout`).
     """
     xb = xla_builder()
-    b = xb.create_builder("txe_stack")
+    name = computation_name("txe_stack", flat != shape)
+    b = xb.create_builder(name)
     etype = xb.Op.from_torch_type(dtype)
     members = [xb.mkparam(b, k, xb.mkshape(etype, shape)) for k in range(n)]
     stacked = xb.Op.concat_in_dim([m.reshape([1, *flat]) for m in members], 0, builder=b)
-    return xb.Op.tuple([stacked]).build("txe_stack")
+    return xb.Op.tuple([stacked]).build(name)
 
 
 @functools.lru_cache(maxsize=256)
@@ -146,7 +147,8 @@ def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], 
     ``guarded``: with the index guard (see ``backend``), its bound from ``indices[0]``.
     """
     xb = xla_builder()
-    b = xb.create_builder("txe_unstack")
+    name = computation_name("txe_unstack", guarded or flat != shape)
+    b = xb.create_builder(name)
     etype = xb.Op.from_torch_type(dtype)
     indices = _index_params(b, n)
     stacked = xb.mkparam(b, n, xb.mkshape(etype, (n, *flat)))
@@ -154,7 +156,7 @@ def _unstack_computation(n: int, shape: tuple[int, ...], flat: tuple[int, ...], 
     zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
     guard = _guard(bound, list(shape), etype)
     members = [guard(_slice_op(stacked, idx, zero).reshape(list(shape))) for idx in indices]
-    return xb.Op.tuple(members).build("txe_unstack")
+    return xb.Op.tuple(members).build(name)
 
 
 def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
