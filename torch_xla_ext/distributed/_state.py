@@ -206,7 +206,10 @@ class FSDPState:
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.view_as(t), (args, kwargs))
             if self.reshard_after_forward and self.managed and torch.is_grad_enabled():
                 _warn_compiled_reshard()
-        gather = not self.reshard_after_forward or compiling or in_scan_step_trace()
+        in_scan = in_scan_step_trace()
+        gather = not self.reshard_after_forward or compiling or in_scan
+        if not compiling and not in_scan and torch.is_grad_enabled():
+            args = self._barrier_in_backward(args)
         if gather or mp.param_dtype is not None or mp.reduce_dtype is not None:
             out = self._swapped_forward(forward, module, args, kwargs, gather)
         else:
@@ -219,6 +222,29 @@ class FSDPState:
         # Keep activations sharded over the fsdp axis on their leading (batch)
         # dimension, so the compiler gathers weights rather than activations.
         return pytree.tree_map_only(torch.Tensor, self._shard_batch, out)
+
+    def _barrier_in_backward(self, args: tuple) -> tuple:
+        """``args``, through a node whose backward ties the module's parameter gradients to its input gradients.
+
+        Without it XLA's all-reduce combiner merges every module's gradient
+        reduction into one at the end of the backward, and each module's full,
+        unreduced gradient stays live until then (measured on the TPU compiler:
+        ``scripts/bench_fsdp.py --tpu``). With the barrier each module's
+        gradients are reduced and sharded before the backward goes on to the
+        modules before it (FSDPv2 places the same barrier with a full backward
+        hook). Only positional tensor arguments that need a gradient carry it;
+        a module with none (the root reading token ids) needs no barrier.
+        """
+        flat, spec = pytree.tree_flatten(args)
+        positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+                     and t.device.type == "xla"]
+        if not positions or not self.managed:
+            return args
+        params = [p for _, p in self.managed if p.requires_grad]
+        tied = _BackwardBarrier.apply(params, *(flat[k] for k in positions))
+        for k, t in zip(positions, tied):
+            flat[k] = t
+        return pytree.tree_unflatten(flat, spec)
 
     def _swapped_forward(self, forward: Callable, module: nn.Module, args: tuple, kwargs: dict,
                          gather: bool) -> Any:
@@ -277,6 +303,32 @@ class FSDPState:
         if t.requires_grad:
             return shard_activation(t, self.mesh_text, spec)
         return annotate_sharding(t, self.mesh_text, spec)
+
+
+class _BackwardBarrier(torch.autograd.Function):
+    """Identity on a module's inputs; its backward puts an optimization barrier over the gradients of the
+    module's parameters accumulated so far and the gradients flowing on to the inputs.
+
+    Autograd runs a parameter's gradient accumulation as soon as the gradient
+    exists (before any other ready node), so when the inputs' gradients arrive
+    here, the module's parameter gradients of this backward are in ``.grad``.
+    """
+
+    @staticmethod
+    def forward(ctx, params: list, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.params = params
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        import torch_xla.core.xla_model as xm
+
+        tied = [p.grad for p in ctx.params if p.grad is not None and p.grad.device.type == "xla"]
+        tied += [g for g in grads if g is not None]
+        if tied:
+            xm.optimization_barrier_(tied)
+        return (None, *grads)
 
 
 _COMPILED_RESHARD = (
