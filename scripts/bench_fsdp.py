@@ -66,6 +66,7 @@ Usage::
     python scripts/bench_fsdp.py --model llama --hlo
     python scripts/bench_fsdp.py --quick            # smoke run: tiny model, 3 steps
     python scripts/bench_fsdp.py --layers 4 --steps 6 --out bench_out/x.png
+    python scripts/bench_fsdp.py --tpu v5e:2x4      # each step compiled for a TPU topology (tpu_bench.py)
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def unique_params(model: nn.Module) -> list[nn.Parameter]:
 # --------------------------------------------------------------------------- #
 
 
-def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str, reshard_after_forward: bool = True) -> nn.Module:
+def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str, reshard_after_forward: bool = True,
+              partition_fn: Callable | None = None) -> nn.Module:
+    """``mode`` "scan" or "loop"; ``partition_fn``: the scan's remat policy."""
     from torch_xla_ext.hf import scan_decoder_layers
 
     model = copy.deepcopy(cpu_model)
@@ -190,9 +193,10 @@ def make_ours(cpu_model: nn.Module, mesh: xs.Mesh, mode: str, reshard_after_forw
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if isinstance(model, Decoder):
         model.use_scan = mode == "scan"
+        model.partition_fn = partition_fn
         assert model.head.weight is model.embed.weight, "fully_shard untied the embedding and the LM head"
     elif mode == "scan":
-        scan_decoder_layers(model)
+        scan_decoder_layers(model, partition_fn=partition_fn)
     assert len(get_fully_sharded_modules(model)) == len(blocks_of(model)) + 1
     return model
 
@@ -522,6 +526,81 @@ def bench_layers(cfg: Config, model: str, layers: int, steps: int, mesh: xs.Mesh
 
 
 # --------------------------------------------------------------------------- #
+# --tpu: each method's training step compiled for a TPU topology.
+# --------------------------------------------------------------------------- #
+
+TPU_METHODS = ("ours+scan", "ours+remat", "ours+loop", "ours+keep", "fsdpv2")
+
+
+def run_tpu(cfg: Config, model_kind: str, layer_list: list[int], mesh: xs.Mesh, topology: str, out: str) -> int:
+    """Compile one SGD step (forward, backward, update) of each method for ``topology``; print the figures."""
+    import tpu_bench
+    from torch_xla_ext import remat
+
+    print(f"--tpu {topology}: model {model_kind}; {cfg}; one SGD step (forward, backward, update) per method, "
+          f"compiled with libtpu's compile-only client, nothing runs; ours+remat = ours+scan with "
+          f"remat.nothing_saveable; methods {list(TPU_METHODS)}", flush=True)
+    rows: dict[tuple[str, int], tpu_bench.TpuRow] = {}
+    for layers in layer_list:
+        torch.manual_seed(0)
+        cpu_model = make_decoder(cfg, layers) if model_kind == "decoder" else make_llama(cfg, layers)
+        builders: dict[str, Callable[[], nn.Module]] = {
+            "ours+scan": lambda: make_ours(cpu_model, mesh, "scan"),
+            "ours+remat": lambda: make_ours(cpu_model, mesh, "scan", partition_fn=remat.nothing_saveable),
+            "ours+loop": lambda: make_ours(cpu_model, mesh, "loop"),
+            "ours+keep": lambda: make_ours(cpu_model, mesh, "loop", reshard_after_forward=False),
+            "fsdpv2": lambda: make_fsdpv2(cpu_model, mesh),
+        }
+        for method in TPU_METHODS:
+            try:
+                (batch,) = make_batches(cfg, 1, mesh, masked=model_kind != "decoder")
+
+                def step(method=method, batch=batch):
+                    model = builders[method]()
+                    opt = torch.optim.SGD(unique_params(model), lr=LR, foreach=False)
+                    loss = loss_of(model, *batch)
+                    loss.backward()
+                    opt.step()
+                    return [loss, *unique_params(model)]
+
+                result = tpu_bench.compile_torch(step, topology)
+                rows[(method, layers)] = tpu_bench.TpuRow(method, layers, result)
+                print(f"  L={layers:<3} {method:<11} peak {result.peak_bytes / tpu_bench.MIB:8.2f} MiB per chip, "
+                      f"TPU compile {result.compile_seconds:6.2f} s", flush=True)
+            except Exception as e:  # a method the compiler rejects is a row of the table, not the end of the run
+                rows[(method, layers)] = tpu_bench.TpuRow(
+                    method, layers, None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                print(f"  L={layers:<3} {method:<11} {rows[(method, layers)].note}", flush=True)
+    print()
+    tpu_bench.print_table(rows, layer_list, TPU_METHODS, baseline=BASELINE)
+    print("\ngoals (per-chip peak HBM at or under FSDPv2's; bytes accessed and collective bytes at or under):")
+    ok = True
+    for layers in layer_list:
+        base = rows.get((BASELINE, layers))
+        if base is None or base.result is None:
+            continue
+        b = base.result
+        for method in TPU_METHODS[:-1]:
+            row = rows.get((method, layers))
+            if row is None or row.result is None:
+                print(f"  FAIL  L={layers} {method}: {row.note if row else 'missing'}")
+                ok = False
+                continue
+            r = row.result
+            checks = [("peak", r.peak_bytes, b.peak_bytes),
+                      ("collective bytes", tpu_bench.collective_bytes(r), tpu_bench.collective_bytes(b))]
+            if r.bytes_accessed is not None and b.bytes_accessed is not None:
+                checks.append(("bytes accessed", r.bytes_accessed, b.bytes_accessed))
+            for name, mine, theirs in checks:
+                verdict = mine <= theirs
+                ok &= verdict
+                print(f"  {'PASS' if verdict else 'FAIL'}  L={layers} {method} {name}: "
+                      f"{mine / theirs if theirs else float('nan'):.2f}x FSDPv2's")
+    tpu_bench.plot(rows, layer_list, TPU_METHODS, out, f"{model_kind} on {topology}")
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------- #
 # Reporting.
 # --------------------------------------------------------------------------- #
 
@@ -678,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
                     help="default: all but ours+compile")
     ap.add_argument("--out", default="bench_out/bench_fsdp.png", help="PNG plot path")
+    ap.add_argument("--tpu", metavar="TOPOLOGY", default=None,
+                    help="compile each method's SGD step for a TPU topology (e.g. v5e:2x4; 8 chips) with libtpu's "
+                         "compile-only client and report the TPU compiler's figures instead of timing on CPU")
     args = ap.parse_args(argv)
     if args.quick:
         cfg = Config(vocab=64, dim=32, heads=2, seq=8, batch=8)
@@ -692,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"expected {NUM_DEVICES} virtual CPU devices, got {n}")
     mesh = xs.Mesh(np.arange(NUM_DEVICES), (NUM_DEVICES,), ("fsdp",))
     xs.set_global_mesh(mesh)
+    if args.tpu:
+        return run_tpu(cfg, args.model, layer_list, mesh, args.tpu, args.out)
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, {n} devices; model {args.model}; {cfg}; "
           f"L={layer_list}; {steps} steps; SGD lr={LR}", flush=True)
     all_runs: dict[int, list[Run]] = {}

@@ -45,6 +45,7 @@ Usage::
     python scripts/bench_scan.py                 # L = 4 8 16 32
     python scripts/bench_scan.py --quick         # smoke run: L = 2 4, 2 steps
     python scripts/bench_scan.py --layers 4 8 --steps 3 --out bench_out/x.png
+    python scripts/bench_scan.py --tpu v5e:2x4   # each step compiled for a TPU topology (tpu_bench.py)
 """
 
 from __future__ import annotations
@@ -306,14 +307,16 @@ def make_fwd_torch_xla():
 # --------------------------------------------------------------------------- #
 
 
-def jax_setup(cfg: Config, model: str = "block"):
+def jax_setup(cfg: Config, model: str = "block", devices=None):
     """JAX's forward, loss and placement for ``model``: the CausalBlock, or a Llama decoder layer written from
-    Hugging Face's ``LlamaDecoderLayer`` (RMSNorm, rotary embeddings, GQA, causal softmax attention, SwiGLU)."""
+    Hugging Face's ``LlamaDecoderLayer`` (RMSNorm, rotary embeddings, GQA, causal softmax attention, SwiGLU).
+
+    ``devices``: the mesh's devices (default: JAX's CPU devices; ``--tpu``: a topology's compile-only ones)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    devices = jax.devices("cpu")
+    devices = jax.devices("cpu") if devices is None else list(devices)
     if len(devices) != NUM_DEVICES:
         raise RuntimeError(f"JAX sees {len(devices)} CPU devices, expected {NUM_DEVICES}")
     mesh = Mesh(np.array(devices), ("fsdp",))
@@ -381,12 +384,18 @@ def jax_setup(cfg: Config, model: str = "block"):
     def loss(stacked, x):
         return jnp.mean(forward(stacked, x) ** 2)
 
-    def place(host_layers, x_np):
+    def place(host_layers, x_np, abstract: bool = False):
+        """Stacked weights and the batch on the mesh; ``abstract``: their shapes and shardings only."""
         stacked = {k: np.stack([h[k] for h in host_layers]) for k in host_layers[0]}
         shardings = {k: NamedSharding(mesh, P(None, "fsdp", None) if v.ndim == 3 else P())
                      for k, v in stacked.items()}
-        params = {k: jax.device_put(v, shardings[k]) for k, v in stacked.items()}
-        xj = jax.device_put(x_np, NamedSharding(mesh, P("fsdp", None, None)))
+        x_sharding = NamedSharding(mesh, P("fsdp", None, None))
+        if abstract:
+            params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in stacked.items()}
+            xj = jax.ShapeDtypeStruct(x_np.shape, x_np.dtype, sharding=x_sharding)
+        else:
+            params = {k: jax.device_put(v, shardings[k]) for k, v in stacked.items()}
+            xj = jax.device_put(x_np, x_sharding)
         return params, xj, shardings, NamedSharding(mesh, P())
 
     return jax, forward, loss, place
@@ -430,6 +439,90 @@ class JaxRunner:
             self.res.step_ms = statistics.median(self.totals) * 1e3
         self.res.samples = {"step_ms": [t * 1e3 for t in self.totals]}
         return self.res
+
+
+# --------------------------------------------------------------------------- #
+# --tpu: each method's step compiled for a TPU topology.
+# --------------------------------------------------------------------------- #
+
+
+def run_tpu(args, cfg: Config, methods: list[str], fwds: dict[str, Callable], partition_fns: dict,
+            layer_counts: list[int], notes: list[str]) -> int:
+    """Compile each method's forward + backward for ``args.tpu``; print the TPU compiler's figures and the goals."""
+    import tpu_bench
+    from torch_xla_ext import _tpu_client
+
+    devices = _tpu_client.topology_devices(args.tpu)
+    jx = jax_setup(cfg, args.model, devices=devices) if "jax" in methods else None
+    mesh = xs.Mesh(np.arange(NUM_DEVICES), (NUM_DEVICES,), ("fsdp",))
+    print(f"--tpu {args.tpu}: {len(devices)} x {devices[0].device_kind}; model {args.model} dim={cfg.dim} "
+          f"heads={cfg.heads} mlp={cfg.mlp}x seq={cfg.seq} batch={cfg.batch}, fp32; forward + backward of "
+          f"mean(out**2), 2-D weights sharded ('fsdp', None), batch on 'fsdp'; compiled with libtpu's compile-only "
+          f"client, nothing runs; methods {methods}")
+    for note in notes:
+        print(note)
+    rows: dict[tuple[str, int], tpu_bench.TpuRow] = {}
+    for n in layer_counts:
+        if args.model == "llama":
+            cpu_layers, x_cpu, host, rotary = build_llama(cfg, n)
+            fwds.update(llama_forwards(rotary, {m: partition_fns[m] for m in methods if m in partition_fns}))
+        else:
+            cpu_layers, x_cpu, host = build(cfg, n)
+        for m in methods:
+            try:
+                if m == "jax":
+                    jax, _forward, loss, place_jax = jx
+                    params, xj, shardings, replicated = place_jax(host, x_cpu.numpy(), abstract=True)
+                    jitted = jax.jit(jax.value_and_grad(loss), out_shardings=(replicated, shardings))
+                    result = tpu_bench.compile_jax(jitted, (params, xj), args.tpu)
+                else:
+                    layers, x = place(cpu_layers, x_cpu, mesh)
+
+                    def step(fwd=fwds[m], layers=layers, x=x):
+                        loss = fwd(layers, x).square().mean()
+                        loss.backward()
+                        return [loss, *(p.grad for p in layers.parameters())]
+
+                    result = tpu_bench.compile_torch(step, args.tpu)
+                    del layers, x
+                rows[(m, n)] = tpu_bench.TpuRow(m, n, result)
+                print(f"  L={n:<3} {m:<13} peak {result.peak_bytes / tpu_bench.MIB:8.2f} MiB per chip, "
+                      f"TPU compile {result.compile_seconds:6.2f} s", flush=True)
+            except Exception as e:  # a method the compiler rejects is a row of the table, not the end of the run
+                rows[(m, n)] = tpu_bench.TpuRow(m, n, None, f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                print(f"  L={n:<3} {m:<13} {rows[(m, n)].note}", flush=True)
+    print()
+    tpu_bench.print_table(rows, layer_counts, methods, baseline="unrolled")
+    print("\ngoals:")
+    for verdict, text in tpu_goals(rows, layer_counts):
+        print(f"  {verdict:<4}  {text}")
+    tpu_bench.plot(rows, layer_counts, methods, args.out, f"{args.model} on {args.tpu}")
+    return 0
+
+
+def tpu_goals(rows, layer_counts: list[int]) -> list[tuple[str, str]]:
+    """Scan's peak at or under the unrolled loop's and JAX's; scan's compile time flat in L and <= 0.25x the loop's."""
+    def res(m, n):
+        row = rows.get((m, n))
+        return row.result if row else None
+
+    out = []
+    for n in layer_counts:
+        ours, loop, jax_ = res("ours", n), res("unrolled", n), res("jax", n)
+        if ours and loop:
+            for other, name in ((loop, "unrolled"), (jax_, "jax")):
+                if other:
+                    out.append(("PASS" if ours.peak_bytes <= other.peak_bytes else "FAIL",
+                                f"L={n}: ours' peak {ours.peak_bytes / 2**20:.2f} MiB <= {name}'s "
+                                f"{other.peak_bytes / 2**20:.2f} ({ours.peak_bytes / other.peak_bytes:.2f}x)"))
+    lo, hi = (8 if 8 in layer_counts else min(layer_counts)), max(layer_counts)
+    if res("ours", lo) and res("ours", hi) and hi > lo:
+        growth = res("ours", hi).compile_seconds / res("ours", lo).compile_seconds
+        out.append(("PASS" if growth <= 1.2 else "FAIL", f"ours' TPU compile L={hi} within 1.2x of L={lo}: {growth:.2f}x"))
+    if res("ours", hi) and res("unrolled", hi):
+        share = res("ours", hi).compile_seconds / res("unrolled", hi).compile_seconds
+        out.append(("PASS" if share <= 0.25 else "FAIL", f"ours' TPU compile <= 0.25x the loop's at L={hi}: {share:.2f}x"))
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -654,6 +747,9 @@ def main() -> int:
                     help="measure each compiled step's device memory from XLA's buffer assignment (slows compiles)")
     ap.add_argument("--check-layers", type=int, default=None,
                     help="L for the numerics check (default: the smallest L run)")
+    ap.add_argument("--tpu", metavar="TOPOLOGY", default=None,
+                    help="compile each method's step for a TPU topology (e.g. v5e:2x4; 8 chips) with libtpu's "
+                         "compile-only client and report the TPU compiler's figures instead of timing on CPU")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.steps = [2, 4], 2
@@ -687,6 +783,8 @@ def main() -> int:
             notes.append(f"NOTE: torch_xla scan_layers column skipped: its SPMD backward imports torchax, which "
                          f"failed to import ({type(e).__name__}: {e}). Install flax==0.11.2 (with jax==0.7.1).")
             methods.remove("torch_xla")
+    if args.tpu:
+        return run_tpu(args, cfg, methods, fwds, partition_fns, layer_counts, notes)
     jx = None
     if "jax" in methods:
         try:

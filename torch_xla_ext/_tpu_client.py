@@ -26,6 +26,10 @@ class TpuUnavailable(ImportError):
 
 
 def _jax() -> tuple[Any, Any, Any]:
+    # libtpu takes a machine-wide lock file when it starts, so a second process (a benchmark beside a test
+    # run) fails with "Internal error when accessing libtpu multi-process lockfile". The compile-only client
+    # opens no chip; libtpu's own switch lets each process load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
         from jax._src.lib import _jax as jaxlib_ext
@@ -81,9 +85,7 @@ def computation_cost(module_text: str, computation: str | None = None) -> dict[s
     """
     import re
 
-    _, jaxlib_ext, _ = _jax()
-    import jax
-
+    _, jaxlib_ext, xla_client = _jax()
     if computation is not None:
         lines = module_text.splitlines()
         found = False
@@ -100,7 +102,15 @@ def computation_cost(module_text: str, computation: str | None = None) -> dict[s
             raise ValueError(f"computation_cost: no computation {computation!r} in the module")
         module_text = "\n".join(lines)
     module = jaxlib_ext.hlo_module_from_text(module_text)
-    return dict(jaxlib_ext.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+    return dict(jaxlib_ext.hlo_module_cost_analysis(_cpu_client(), module))
+
+
+@functools.cache
+def _cpu_client() -> Any:
+    """A CPU client of our own for the cost analysis: ``jax.devices("cpu")`` would start every backend
+    JAX finds, a TPU host's chips included."""
+    _, _, xla_client = _jax()
+    return xla_client.make_cpu_client()
 
 
 class _quiet_stderr:

@@ -169,7 +169,16 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> Co
             raise
         return CompiledForTpu(topology, len(devices), kind, hbm, False, 0, 0, 0, 0, 0, 0, None, None, 0,
                               time.perf_counter() - start, {}, error=message.splitlines()[0][:400])
-    seconds = time.perf_counter() - start
+    return _describe(executable, lowered, topology, devices, time.perf_counter() - start)
+
+
+def _describe(executable, lowered: HloModule, topology: str, devices: tuple, seconds: float) -> CompiledForTpu:
+    """The figures of ``executable``, compiled for ``devices`` from the program ``lowered``.
+
+    Also what the benchmarks use for a program another front end (JAX) compiled for the same devices.
+    """
+    kind = devices[0].device_kind
+    hbm = HBM_BYTES[kind]
     stats = executable.get_compiled_memory_stats()
     optimized_module = executable.hlo_modules()[0]
     optimized = read_hlo(optimized_module.as_serialized_hlo_module_proto())
@@ -199,16 +208,21 @@ def _trip_counts(optimized: HloModule, lowered: HloModule) -> dict[str, int | No
 
     The compiler rewrites a loop's counter (on TPU into a pair of 32-bit
     words), so the count is read from the loop it came from in the lowered
-    program (named by the last part of the compiled loop's op name) and
+    program (the one with the compiled loop's op name, or named by the last
+    part of it: a torch_xla loop carries no op name of its own) and
     accepted only when the compiled condition still compares with that
     count: a loop the compiler unrolled or otherwise re-counted is unknown.
     """
-    lowered_counts = {w.instruction.name: w.trip_count for w in lowered.while_loops()}
+    by_name = {w.instruction.name: w.trip_count for w in lowered.while_loops()}
+    by_op_name: dict[str, int | None] = {}
+    for w in lowered.while_loops():
+        if w.op_name:  # a front end's own op name (JAX's "jit(f)/while"): only a unique one identifies a loop
+            by_op_name[w.op_name] = None if w.op_name in by_op_name else w.trip_count
     trips: dict[str, int | None] = {}
     for w in optimized.while_loops():
         n = w.trip_count
-        if n is None:
-            source = lowered_counts.get(w.op_name.rsplit("/", 1)[-1]) if w.op_name else None
+        if n is None and w.op_name:
+            source = by_op_name.get(w.op_name, by_name.get(w.op_name.rsplit("/", 1)[-1]))
             n = source if source is not None and source in w.condition_constants else None
         trips[w.instruction.name] = n
     return trips

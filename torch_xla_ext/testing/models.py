@@ -113,7 +113,12 @@ class Decoder(nn.Module):
         embed_std: when given, the tied weight is re-drawn from
             ``N(0, embed_std**2)`` after every module is built.
         use_scan: run the blocks with ``scan_layers`` (True) or a loop.
+
+    ``partition_fn`` (an attribute, default None) is passed to ``scan_layers``:
+    a remat policy of :mod:`torch_xla_ext.remat`.
     """
+
+    partition_fn: Callable | None = None
 
     def __init__(self, vocab: int, width: int, num_layers: int,
                  make_block: Callable[[], nn.Module] | None = None, *,
@@ -133,7 +138,7 @@ class Decoder(nn.Module):
         """Integer ``tokens (batch, seq)`` -> logits ``(batch, seq, vocab)``."""
         h = self.embed(tokens)
         if self.use_scan:
-            h = scan_layers(self.layers, h)
+            h = scan_layers(self.layers, h, self.partition_fn)
         else:
             for layer in self.layers:
                 h = layer(h)
