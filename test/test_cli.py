@@ -47,6 +47,10 @@ def test_demo_runs_on_default_cpu_devices():
     assert [n for n in re.findall(r"step (\d+)/2 ", out)] == ["1", "2"], out
     first, last = map(float, re.search(r"^loss (\S+) -> (\S+);", out, re.M).groups())
     assert last < first  # the sharded training steps do update the weights
+    # The TPU section (the test extra installs libtpu): the step compiled for v5p:2x2x2, fits.
+    tpu_section = out.split("TPU fit check", 1)[1]
+    assert re.search(r"^topology\s+v5p:2x2x2 \(8 x TPU v5", tpu_section, re.M), tpu_section
+    assert re.search(r"^fits\s+yes$", tpu_section, re.M) and "peak per chip" in tpu_section, tpu_section
 
 
 def test_cli_hides_xla_warnings_unless_the_user_set_a_level(monkeypatch):

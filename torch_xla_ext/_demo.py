@@ -1,4 +1,4 @@
-"""``python -m torch_xla_ext demo``: three short sections on an SPMD mesh.
+"""``python -m torch_xla_ext demo``: four short sections on an SPMD mesh.
 
 1. Lower a sharded MLP, print the HLO parameter table read by the C++ reader,
    and compare torch_xla's host parameter mapping with the device mapping
@@ -7,6 +7,8 @@
    backward), compare the results and the lowered while loops.
 3. Train a small decoder (embedding tied to the head) under ``fully_shard``
    and show that the steps move nothing to the host.
+4. Compile the same training step for a TPU v5p slice with libtpu's
+   compile-only client (``torch_xla_ext.tpu``): peak HBM per chip, fits.
 
 Measurements are kept as numbers and formatted only when printed.
 ``run_demo`` must be called before ``torch_xla`` is imported: it picks the
@@ -96,7 +98,7 @@ class _Fetch:
 
 
 def run_demo(layers: int, width: int, steps: int) -> int:
-    """Run the three sections; returns the process exit status (0)."""
+    """Run the four sections; returns the process exit status (0)."""
     where = _default_to_cpu_devices(8)
     default_xla_log_level()
     import numpy as np
@@ -115,6 +117,7 @@ def run_demo(layers: int, width: int, steps: int) -> int:
     _demo_parameter_mapping(mesh, layers, width)
     _demo_scan_layers(mesh, layers, width)
     _demo_fsdp(layers, width, steps)
+    _demo_tpu(layers, width)
     return 0
 
 
@@ -270,20 +273,15 @@ def _demo_fsdp(num_layers: int, width: int, steps: int) -> None:
 
     import torch_xla_ext as txe
 
-    from .distributed import fully_shard, get_fully_sharded_modules
+    from .distributed import get_fully_sharded_modules
     from .testing import measure_transfers
-    from .testing.models import Decoder
 
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
     vocab = 256
     print(f"\nfully_shard: a {num_layers}-layer decoder (embedding tied to the head), each layer and the root "
           f"sharded over {n} devices, trained with scan_layers")
-    torch.manual_seed(0)
-    model = Decoder(vocab, width, num_layers, embed_std=width**-0.5)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _sharded_decoder(mesh, vocab, num_layers, width)
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     per_device = sum(_per_device_bytes(p) for p in params)
@@ -321,3 +319,56 @@ def _demo_fsdp(num_layers: int, width: int, steps: int) -> None:
     sharded = all(_sharding_spec(p.grad) == _sharding_spec(p) for p in params)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; bytes moved device->host inside the training steps: "
           f"{moved}; every gradient sharded like its parameter: {sharded}")
+
+
+def _sharded_decoder(mesh: Any, vocab: int, num_layers: int, width: int) -> torch.nn.Module:
+    """The demo's decoder (seeded), ``fully_shard`` on each layer and on the root."""
+    from .distributed import fully_shard
+    from .testing.models import Decoder
+
+    torch.manual_seed(0)
+    model = Decoder(vocab, width, num_layers, embed_std=width**-0.5)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+TPU_TOPOLOGY = "v5p:2x2x2"
+
+
+def _demo_tpu(num_layers: int, width: int) -> None:
+    """Section 4: the fully sharded training step compiled for a TPU slice, here, with no TPU."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    from . import tpu
+
+    n = xr.global_runtime_device_count()
+    print(f"
+TPU fit check: the same fully sharded step compiled for a TPU {TPU_TOPOLOGY} slice by libtpu's "
+          f"compile-only client (nothing runs)")
+    try:
+        topology_devices(TPU_TOPOLOGY)
+    except tpu.TpuUnavailable as error:
+        print(f"skipped: {error}")
+        return
+    if n != 8:
+        print(f"skipped: {TPU_TOPOLOGY} has 8 chips and this run has {n} devices")
+        return
+    mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
+    vocab, device = 256, torch_xla.device()
+    with tpu.lowering():
+        model = _sharded_decoder(mesh, vocab, num_layers, width)
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (16, 32), generator=g).to(device)
+        xs.mark_sharding(tokens, mesh, ("fsdp", None))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, foreach=False)
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, dims=1).flatten())
+        loss.backward()
+        optimizer.step()
+    r = tpu.compile([loss, *model.parameters()], topology=TPU_TOPOLOGY)
+    print(r)
