@@ -147,7 +147,7 @@ class Annotator:
         self._sharding = _op_sharding(self.mesh, self.spec)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if traced(t):
+        if traced(t) or in_scan_step_trace():  # see annotate_sharding
             return torch.ops.txe.annotate_sharding(t, self.mesh, self.spec, False)
         if t.device.type != "xla":
             return t.clone()
@@ -235,7 +235,9 @@ def annotate_sharding(t: torch.Tensor, mesh, spec: tuple, *, recompute_in_backwa
     applies the annotation in the compiled graph.
     """
     mesh_text, spec_text = _mesh_text(mesh), str(tuple(spec))
-    if traced(t):
+    if traced(t) or in_scan_step_trace():
+        # In scan's trace of a step the op is what scan's fingerprint records: a step annotated
+        # differently (another spec, another recompute_in_backward) is another plan, never a reused one.
         return torch.ops.txe.annotate_sharding(t, mesh_text, spec_text, recompute_in_backward)
     return _annotated(t, mesh_text, spec_text)
 
