@@ -1,8 +1,8 @@
 """fully_shard's backward on the TPU compiler: each module's gradients reduced before the backward goes on.
 
-Without the backward barrier (``_state._BackwardBarrier``) XLA's all-reduce
-combiner merges every block's gradient reduction into one at the end of the
-backward, and every block's full, unreduced weight gradient is live at once.
+Without the backward barrier (``_state._BackwardBarrier``) XLA's combiner
+merges every block's gradient reduce-scatter into one at the end of the
+backward, and every block's full, unreduced weight gradient is live until then.
 Compiled for ``v5e:2x4``, nothing runs.
 """
 
@@ -39,11 +39,10 @@ def test_each_block_gradient_is_reduced_before_the_backward_goes_on(device, mesh
     with_barrier = _compiled_step(device, mesh)
     monkeypatch.setattr(_state._BackwardBarrier, "backward", staticmethod(lambda ctx, *grads: (None, *grads)))
     without = _compiled_step(device, mesh)
-    # Without it the combiner merges the blocks' gradient reductions (4 all-reduces for 4 blocks and the
-    # root); with it each block reduces its own before the backward goes on, and fewer full gradients
-    # are live at the peak.
-    reductions, without_reductions = with_barrier.collectives["all-reduce"][0], without.collectives["all-reduce"][0]
-    assert reductions >= 2 * LAYERS and without_reductions <= LAYERS, (with_barrier, without)
-    assert with_barrier.collectives["all-reduce"][1] == without.collectives["all-reduce"][1]  # the same bytes
+    # Without it the combiner merges the blocks' gradient reduce-scatters into one at the end of the
+    # backward; with it each block reduce-scatters its own before the backward goes on, and fewer full
+    # gradients are live at the peak.
+    assert with_barrier.collectives["reduce-scatter"] == (LAYERS, without.collectives["reduce-scatter"][1])
+    assert without.collectives["reduce-scatter"][0] == 1
     assert with_barrier.peak_bytes < without.peak_bytes
     assert with_barrier.flops == pytest.approx(without.flops, rel=1e-6)  # the same program, scheduled differently

@@ -56,6 +56,8 @@ class CompiledForTpu:
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
+    #: The compiler's own temporaries figure; on TPU it leaves out the scratch it preallocates, so it can be
+    #: 0 while ``peak_bytes`` (which counts everything live at once) is well above arguments + outputs.
     temp_bytes: int
     generated_code_bytes: int
     #: XLA's cost analysis per chip, each while body counted as many times as its loop runs; None when
@@ -65,7 +67,8 @@ class CompiledForTpu:
     while_loops: int
     compile_seconds: float
     #: The partitioned program's collectives: kind -> (count, operand bytes) per chip, those in a loop
-    #: body counted once per trip (once when its trip count is unknown: see ``trip_counts``).
+    #: body counted once per trip (once when its trip count is unknown: see ``trip_counts``). One
+    #: collective is one channel, however the compiler splits it (asynchronous start / done pieces).
     collectives: dict[str, tuple[int, int]]
     #: The compiler's refusal when the program's temporaries exceed HBM (then the byte counts are 0).
     error: str | None = None
@@ -187,11 +190,21 @@ def _describe(executable, lowered: HloModule, topology: str, devices: tuple, sec
     flops, bytes_accessed = _trip_counted_cost(optimized, trips, text)
     runs = _runs_per_computation(optimized, trips)
     collectives: dict[str, tuple[int, int]] = {}
+    channels: set[int] = set()
     for c in optimized.collectives():
+        # The TPU compiler splits an asynchronous collective into start, continuation and done fusions,
+        # each holding a copy of the instruction with the collective's channel: count the channel once.
+        if c.channel_id is not None:
+            if c.channel_id in channels:
+                continue
+            channels.add(c.channel_id)
+        # It emits a reduce-scatter as an all-reduce inside an "all-reduce-scatter" fusion (the operand
+        # is the whole gradient, as a reduce-scatter's is).
+        what = "reduce-scatter" if c.kind == "all-reduce" and c.computation.startswith("all-reduce-scatter") else c.kind
         times = runs.get(c.computation)
         times = 1 if times is None else times
-        count, size = collectives.get(c.kind, (0, 0))
-        collectives[c.kind] = (count + times, size + times * c.operand_bytes)
+        count, size = collectives.get(what, (0, 0))
+        collectives[what] = (count + times, size + times * c.operand_bytes)
     peak = int(stats.peak_memory_in_bytes)
     return CompiledForTpu(
         topology=topology, chips=len(devices), device_kind=kind, hbm_bytes=hbm, fits=peak <= hbm,
