@@ -345,10 +345,10 @@ def _demo_tpu(num_layers: int, width: int) -> None:
     import torch_xla.runtime as xr
 
     from . import tpu
+    from ._tpu_client import topology_devices
 
     n = xr.global_runtime_device_count()
-    print(f"
-TPU fit check: the same fully sharded step compiled for a TPU {TPU_TOPOLOGY} slice by libtpu's "
+    print(f"\nTPU fit check: the same fully sharded step compiled for a TPU {TPU_TOPOLOGY} slice by libtpu's "
           f"compile-only client (nothing runs)")
     try:
         topology_devices(TPU_TOPOLOGY)
