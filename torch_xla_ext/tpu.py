@@ -11,8 +11,9 @@ over as many devices as the topology has chips (an SPMD mesh of that size:
 
 What the figures are: the compiled program's memory statistics (arguments,
 outputs, temporaries, generated code, and the peak the compiler's buffer
-assignment reaches), per chip; ``fits`` compares that peak with the chip's
-HBM. A program whose temporaries exceed HBM fails to compile
+assignment reaches), per chip; ``fits`` compares what the program needs
+(:attr:`CompiledForTpu.required_bytes`: the larger of that peak and the sum
+of what it holds) with the chip's HBM. A program whose temporaries exceed HBM fails to compile
 (``RESOURCE_EXHAUSTED``); that is reported as ``fits=False`` with the
 compiler's message, not raised. What they are not: no step time (nothing
 runs), no host memory of the real job, no data loading.
@@ -76,9 +77,23 @@ class CompiledForTpu:
     trip_counts: tuple[int | None, ...] = ()
 
     @property
+    def required_bytes(self) -> int:
+        """What ``fits`` compares with HBM: the larger of the compiler's peak and the sum of what it holds.
+
+        The compile-only client's two accounts differ by chip: on v5e the peak
+        of its buffer assignment is the larger (temporaries often 0), on v5p
+        its preallocated temporaries can exceed the peak it reports. Taking
+        the larger of ``peak_bytes`` and arguments + outputs - aliased +
+        temporaries + generated code never calls a program that needs more
+        than HBM one that fits.
+        """
+        held = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.generated_code_bytes
+        return max(self.peak_bytes, held)
+
+    @property
     def headroom_bytes(self) -> int:
-        """HBM left at the peak (negative: over by that much)."""
-        return self.hbm_bytes - self.peak_bytes
+        """HBM left over what the program needs (:attr:`required_bytes`; negative: over by that much)."""
+        return self.hbm_bytes - self.required_bytes
 
     def __str__(self) -> str:
         rows = [("topology", f"{self.topology} ({self.chips} x {self.device_kind}, "
@@ -87,9 +102,10 @@ class CompiledForTpu:
         if self.error is not None:
             rows.append(("compiler", self.error))
         else:
-            rows += [("peak per chip", f"{format_bytes(self.peak_bytes)} "
-                                       f"({100 * self.peak_bytes / self.hbm_bytes:.1f}% of HBM, headroom "
-                                       f"{format_bytes(self.headroom_bytes)})"),
+            rows += [("needs per chip", f"{format_bytes(self.required_bytes)} "
+                                        f"({100 * self.required_bytes / self.hbm_bytes:.1f}% of HBM, headroom "
+                                        f"{format_bytes(self.headroom_bytes)})"),
+                     ("peak per chip", format_bytes(self.peak_bytes)),
                      ("arguments", format_bytes(self.argument_bytes)),
                      ("outputs", f"{format_bytes(self.output_bytes)} ({format_bytes(self.alias_bytes)} aliased)"),
                      ("temporaries", format_bytes(self.temp_bytes)),
@@ -206,14 +222,15 @@ def _describe(executable, lowered: HloModule, topology: str, devices: tuple, sec
         count, size = collectives.get(what, (0, 0))
         collectives[what] = (count + times, size + times * c.operand_bytes)
     peak = int(stats.peak_memory_in_bytes)
-    return CompiledForTpu(
-        topology=topology, chips=len(devices), device_kind=kind, hbm_bytes=hbm, fits=peak <= hbm,
+    result = CompiledForTpu(
+        topology=topology, chips=len(devices), device_kind=kind, hbm_bytes=hbm, fits=False,
         peak_bytes=peak, argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes), alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes), generated_code_bytes=int(stats.generated_code_size_in_bytes),
         flops=flops, bytes_accessed=bytes_accessed, while_loops=len(trips), compile_seconds=seconds,
         collectives=collectives, trip_counts=tuple(trips.values()),
     )
+    return dataclasses.replace(result, fits=result.required_bytes <= hbm)
 
 
 def _trip_counts(optimized: HloModule, lowered: HloModule) -> dict[str, int | None]:
