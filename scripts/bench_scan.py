@@ -148,6 +148,16 @@ def build_llama(cfg: Config, num_layers: int, seed: int = 0):
     return cpu_layers, x_cpu, host, LlamaRotaryEmbedding(config)
 
 
+def build_model(model: str, cfg: Config, num_layers: int, fwds: dict[str, Callable], partition_fns: dict,
+                methods: list[str]):
+    """``build`` or ``build_llama`` for ``model``; for Llama, ``fwds`` gets the forwards over this rotary embedding."""
+    if model != "llama":
+        return build(cfg, num_layers)
+    cpu_layers, x_cpu, host, rotary = build_llama(cfg, num_layers)
+    fwds.update(llama_forwards(rotary, {m: partition_fns[m] for m in methods if m in partition_fns}))
+    return cpu_layers, x_cpu, host
+
+
 def llama_forwards(rotary: nn.Module, partition_fns: dict[str, Callable | None]) -> dict[str, Callable]:
     """The loop and scan_layers over Llama layers, each computing (cos, sin) from ``rotary`` in the step's graph."""
     import torch_xla_ext
@@ -463,11 +473,7 @@ def run_tpu(args, cfg: Config, methods: list[str], fwds: dict[str, Callable], pa
         print(note)
     rows: dict[tuple[str, int], tpu_bench.TpuRow] = {}
     for n in layer_counts:
-        if args.model == "llama":
-            cpu_layers, x_cpu, host, rotary = build_llama(cfg, n)
-            fwds.update(llama_forwards(rotary, {m: partition_fns[m] for m in methods if m in partition_fns}))
-        else:
-            cpu_layers, x_cpu, host = build(cfg, n)
+        cpu_layers, x_cpu, host = build_model(args.model, cfg, n, fwds, partition_fns, methods)
         for m in methods:
             try:
                 if m == "jax":
@@ -823,11 +829,7 @@ def main() -> int:
         return Result(m, n, note=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
     for n in layer_counts:
-        if args.model == "llama":
-            cpu_layers, x_cpu, host, rotary = build_llama(cfg, n)
-            fwds.update(llama_forwards(rotary, {m: partition_fns[m] for m in methods if m in partition_fns}))
-        else:
-            cpu_layers, x_cpu, host = build(cfg, n)
+        cpu_layers, x_cpu, host = build_model(args.model, cfg, n, fwds, partition_fns, methods)
         x_np = x_cpu.numpy()
         runners = {}
         for m in methods:  # compile + warm up, one method after the other
