@@ -271,15 +271,23 @@ def _trip_counted_cost(optimized: HloModule, trips: dict[str, int | None],
     if any(holder != entry and holder not in bodies for holder in loops_in):
         return None, None  # a loop inside a called computation: not read here
 
+    once_cache: dict[str, tuple[float, float]] = {}
+
+    def once(computation: str) -> tuple[float, float]:
+        """XLA's figures for ``computation`` with each loop inside it counted once (one parse each)."""
+        if computation not in once_cache:
+            cost = computation_cost(text, None if computation == entry else computation)
+            once_cache[computation] = (float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
+        return once_cache[computation]
+
     def counted(computation: str) -> tuple[float, float]:
-        once = computation_cost(text, None if computation == entry else computation)
-        flops, accessed = float(once.get("flops", 0.0)), float(once.get("bytes accessed", 0.0))
+        flops, accessed = once(computation)
         for w in loops_in.get(computation, ()):
-            body_once = computation_cost(text, w.body)
+            body_once_flops, body_once_accessed = once(w.body)
             body_flops, body_accessed = counted(w.body)
             n = trips[w.instruction.name]
-            flops += n * body_flops - float(body_once.get("flops", 0.0))
-            accessed += n * body_accessed - float(body_once.get("bytes accessed", 0.0))
+            flops += n * body_flops - body_once_flops
+            accessed += n * body_accessed - body_once_accessed
         return flops, accessed
 
     return counted(entry)
