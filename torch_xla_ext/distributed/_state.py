@@ -226,10 +226,10 @@ class FSDPState:
     def _barrier_in_backward(self, args: tuple) -> tuple:
         """``args``, through a node whose backward ties the module's parameter gradients to its input gradients.
 
-        Without it XLA's all-reduce combiner merges every module's gradient
-        reduction into one at the end of the backward, and each module's full,
-        unreduced gradient stays live until then (measured on the TPU compiler:
-        ``scripts/bench_fsdp.py --tpu``). With the barrier each module's
+        Without it XLA's combiner merges every module's gradient
+        reduce-scatter into one at the end of the backward, and each module's
+        full, unreduced gradient stays live until then (measured on the TPU
+        compiler: ``scripts/bench_fsdp.py --tpu``, ``test/test_fsdp_tpu.py``). With the barrier each module's
         gradients are reduced and sharded before the backward goes on to the
         modules before it (FSDPv2 places the same barrier with a full backward
         hook). Only positional tensor arguments that need a gradient carry it;
