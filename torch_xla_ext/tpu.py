@@ -57,8 +57,8 @@ class CompiledForTpu:
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
-    #: The compiler's own temporaries figure; on TPU it leaves out the scratch it preallocates, so it can be
-    #: 0 while ``peak_bytes`` (which counts everything live at once) is well above arguments + outputs.
+    #: The compiler's own temporaries figure: on v5e often 0 while ``peak_bytes`` is well above arguments +
+    #: outputs, on v5p possibly above ``peak_bytes`` (see :attr:`required_bytes`).
     temp_bytes: int
     generated_code_bytes: int
     #: XLA's cost analysis per chip, each while body counted as many times as its loop runs; None when
