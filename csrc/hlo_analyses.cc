@@ -439,27 +439,29 @@ std::vector<HostTransfer> Module::HostTransfers() const {
 
 namespace {
 
-// The counter `k` when `ins` reads element k of computation `comp`'s
-// parameter 0 (the loop state); nullopt otherwise.
-std::optional<int64_t> StateElement(const Module& m, const Instruction& ins, int comp) {
-  if (ins.opcode != "get-tuple-element" || ins.operand_ids.size() != 1) return std::nullopt;
-  const auto loc = m.InstructionLocation(ins.operand_ids[0], comp);
-  if (loc.first != comp) return std::nullopt;
-  const Instruction& param = m.computations[comp].instructions[loc.second];
-  if (param.opcode != "parameter" || param.parameter_number != 0) return std::nullopt;
-  return ins.tuple_index;
+// Instruction `id` of computation `comp`; nullptr when `comp` holds none.
+const Instruction* Local(const Module& m, int64_t id, int comp) {
+  const auto loc = m.InstructionLocation(id, comp);
+  if (loc.first != comp) return nullptr;
+  return &m.computations[comp].instructions[loc.second];
+}
+
+// The element k when instruction `id` of `comp` reads element k of the
+// computation's parameter 0 (the loop state); nullopt otherwise.
+std::optional<int64_t> StateElement(const Module& m, int64_t id, int comp) {
+  const Instruction* ins = Local(m, id, comp);
+  if (ins == nullptr || ins->opcode != "get-tuple-element" || ins->operand_ids.size() != 1) {
+    return std::nullopt;
+  }
+  const Instruction* param = Local(m, ins->operand_ids[0], comp);
+  if (param == nullptr || param->opcode != "parameter" || param->parameter_number != 0) return std::nullopt;
+  return ins->tuple_index;
 }
 
 std::optional<int64_t> ConstantOperand(const Module& m, int64_t id, int comp) {
-  const auto loc = m.InstructionLocation(id, comp);
-  if (loc.first != comp) return std::nullopt;
-  return m.computations[comp].instructions[loc.second].integer_value;
-}
-
-const Instruction* Root(const Module& m, int comp) {
-  const auto loc = m.InstructionLocation(m.computations[comp].root_id, comp);
-  if (loc.first != comp) return nullptr;
-  return &m.computations[comp].instructions[loc.second];
+  const Instruction* ins = Local(m, id, comp);
+  if (ins == nullptr) return std::nullopt;
+  return ins->integer_value;
 }
 
 // The trip count of a loop in the counted form a scan lowers to (XLA's own
@@ -471,16 +473,14 @@ const Instruction* Root(const Module& m, int comp) {
 std::optional<int64_t> InferTripCount(const Module& m, int ci, const Instruction& w, int body,
                                       int cond) {
   if (body < 0 || cond < 0 || w.operand_ids.size() != 1) return std::nullopt;
-  const Instruction* test = Root(m, cond);
+  const Instruction* test = Local(m, m.computations[cond].root_id, cond);
   if (test == nullptr || test->opcode != "compare" || test->operand_ids.size() != 2) {
     return std::nullopt;
   }
   std::string direction = test->comparison_direction;
   std::optional<int64_t> k, bound;
   for (int side = 0; side < 2 && !k; ++side) {
-    const auto loc = m.InstructionLocation(test->operand_ids[side], cond);
-    if (loc.first != cond) return std::nullopt;
-    k = StateElement(m, m.computations[cond].instructions[loc.second], cond);
+    k = StateElement(m, test->operand_ids[side], cond);
     if (k) {
       bound = ConstantOperand(m, test->operand_ids[1 - side], cond);
       if (side == 1) {  // bound OP k: mirror the direction
@@ -492,29 +492,24 @@ std::optional<int64_t> InferTripCount(const Module& m, int ci, const Instruction
   }
   if (!k || !bound) return std::nullopt;
 
-  const auto init_loc = m.InstructionLocation(w.operand_ids[0], ci);
-  if (init_loc.first != ci) return std::nullopt;
-  const Instruction& init = m.computations[ci].instructions[init_loc.second];
-  if (init.opcode != "tuple" || *k < 0 || *k >= static_cast<int64_t>(init.operand_ids.size())) {
+  const Instruction* init = Local(m, w.operand_ids[0], ci);
+  if (init == nullptr || init->opcode != "tuple" || *k < 0 ||
+      *k >= static_cast<int64_t>(init->operand_ids.size())) {
     return std::nullopt;
   }
-  const std::optional<int64_t> start = ConstantOperand(m, init.operand_ids[*k], ci);
+  const std::optional<int64_t> start = ConstantOperand(m, init->operand_ids[*k], ci);
 
-  const Instruction* next = Root(m, body);
+  const Instruction* next = Local(m, m.computations[body].root_id, body);
   if (!start || next == nullptr || next->opcode != "tuple" ||
       *k >= static_cast<int64_t>(next->operand_ids.size())) {
     return std::nullopt;
   }
-  const auto add_loc = m.InstructionLocation(next->operand_ids[*k], body);
-  if (add_loc.first != body) return std::nullopt;
-  const Instruction& add = m.computations[body].instructions[add_loc.second];
-  if (add.opcode != "add" || add.operand_ids.size() != 2) return std::nullopt;
+  const Instruction* add = Local(m, next->operand_ids[*k], body);
+  if (add == nullptr || add->opcode != "add" || add->operand_ids.size() != 2) return std::nullopt;
   std::optional<int64_t> step;
   for (int side = 0; side < 2 && !step; ++side) {
-    const auto loc = m.InstructionLocation(add.operand_ids[side], body);
-    if (loc.first != body) return std::nullopt;
-    if (StateElement(m, m.computations[body].instructions[loc.second], body) == k) {
-      step = ConstantOperand(m, add.operand_ids[1 - side], body);
+    if (StateElement(m, add->operand_ids[side], body) == k) {
+      step = ConstantOperand(m, add->operand_ids[1 - side], body);
     }
   }
   if (!step || *step <= 0) return std::nullopt;
@@ -535,9 +530,9 @@ std::optional<int64_t> InferTripCount(const Module& m, int ci, const Instruction
     return std::nullopt;
   }
   if (limit <= *start) return 0;
+  // The values start, start + step, ... below limit: ceil((limit - start) / step).
   int64_t span;
   if (__builtin_sub_overflow(limit, *start, &span)) return std::nullopt;
-  // The counter must not overflow on the way (the last value is below limit).
   return span / *step + (span % *step != 0 ? 1 : 0);
 }
 
