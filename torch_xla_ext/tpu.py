@@ -171,7 +171,7 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> Co
         ctx = LoweringContext("tpu_compile")
         ctx.build(tensors)
         hlo = ctx.hlo()
-    lowered = read_hlo(hlo)
+    lowered = ctx.module  # the reader's view of the same bytes, parsed once
     cpu_only = sorted({c.name for c in lowered.computations if CPU_CODEGEN_MARK in c.name})
     if cpu_only:
         raise ValueError(

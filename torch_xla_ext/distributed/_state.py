@@ -235,12 +235,14 @@ class FSDPState:
         hook). Only positional tensor arguments that need a gradient carry it;
         a module with none (the root reading token ids) needs no barrier.
         """
+        params = [p for _, p in self.managed if p.requires_grad]
+        if not params:  # nothing's gradient to tie (frozen or no managed parameters)
+            return args
         flat, spec = pytree.tree_flatten(args)
         positions = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
                      and t.device.type == "xla"]
-        if not positions or not self.managed:
+        if not positions:
             return args
-        params = [p for _, p in self.managed if p.requires_grad]
         tied = _BackwardBarrier.apply(params, *(flat[k] for k in positions))
         for k, t in zip(positions, tied):
             flat[k] = t
