@@ -184,7 +184,13 @@ _fsdp_classes: dict[type, type] = {}
 
 
 def _fsdp_class(cls: type) -> type:
-    """``FSDP<cls>``: ``cls`` whose ``forward`` runs through its state's :meth:`FSDPState.forward`.
+    """A subclass of ``cls`` and :class:`FSDPModule` whose ``forward`` runs through its state's :meth:`FSDPState.forward`.
+
+    It keeps ``cls``'s ``__name__`` and ``__qualname__``: tools look layers up
+    by class name (transformers' ``_no_split_modules``, accelerate's
+    ``get_module_class_from_name``, Trainer's ``fsdp_config`` layer classes),
+    and a sharded layer must still answer to its own. ``isinstance(m,
+    FSDPModule)`` tells a fully sharded module apart.
 
     The wrapper keeps ``cls.forward``'s signature, name, docstring and
     annotations for introspection (``inspect.signature(module.forward)``).
@@ -203,8 +209,9 @@ def _fsdp_class(cls: type) -> type:
         # __wrapped__ its signature): tools bind inputs by it (transformers' Trainer keeps only the columns
         # the signature names, and finds the label arguments by it).
         functools.update_wrapper(forward, cls.forward)
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
-                                  {"forward": forward, "__module__": cls.__module__})
+        _fsdp_classes[cls] = type(cls.__name__, (FSDPModule, cls),
+                                  {"forward": forward, "__module__": cls.__module__,
+                                   "__qualname__": cls.__qualname__})
     return _fsdp_classes[cls]
 
 
@@ -220,8 +227,8 @@ def fully_shard(
     """Shard ``module``'s parameters over the mesh's ``fsdp`` axis, in place.
 
     Args:
-      module: the module; its class becomes ``FSDP<Class>`` (a subclass of its
-        class and :class:`FSDPModule`), its ``state_dict()`` keys are unchanged.
+      module: the module; its class becomes a subclass of its class and of
+        :class:`FSDPModule` with the same name; its ``state_dict()`` keys are unchanged.
       mesh: a torch_xla ``Mesh`` with an ``fsdp`` axis, or a 1-D mesh; default
         the global mesh, or a 1-D ``('fsdp',)`` mesh over all devices.
       reshard_after_forward: do not keep gathered parameters alive from

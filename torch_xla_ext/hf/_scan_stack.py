@@ -31,11 +31,6 @@ kinds irregularly). Kinds that repeat with a period p (Gemma 2's sliding /
 full alternation) are scanned in groups of p layers (``scan_layers``'
 ``group_size``), each position with the arguments the model gives it.
 ``transformers`` is imported only by the functions that need it.
-
-:func:`causal_mask` builds the 4-D mask, in the form the model's attention
-implementation uses, that lets attention run with padding without a
-device->host read (Hugging Face's mask code reads a 2-D mask's values on the
-host to decide whether it may skip it).
 """
 
 from __future__ import annotations
@@ -48,14 +43,14 @@ from typing import Any
 
 import torch
 
-from ._masks import causal_mask, check_mask_window, model_window
-from ._scan.errors import ScanInputError
-from ._scan.groups import POSITIONS, layer_groups
-from ._scan.homogeneous import allow_hooks
-from ._scan.layers import _scan_layers
-from .remat import nothing_saveable
+from .._masks import check_mask_window, model_window
+from .._scan.errors import ScanInputError
+from .._scan.groups import POSITIONS, layer_groups
+from .._scan.homogeneous import allow_hooks
+from .._scan.layers import _scan_layers
+from ..remat import nothing_saveable
 
-__all__ = ["ScannedLayers", "causal_mask", "scan_decoder_layers"]
+__all__ = ["ScannedLayers", "find_stack", "scan_decoder_layers"]
 
 
 class _Options:
@@ -245,7 +240,7 @@ def _period(layer_types: object, num_layers: int) -> int | None:
     return None
 
 
-def _find_stack(model: torch.nn.Module) -> str:
+def find_stack(model: torch.nn.Module) -> str:
     """The qualified name of the model's decoder layer list: the ``nn.ModuleList`` of one class per hidden layer."""
     config = getattr(model, "config", None)
     count = getattr(config, "num_hidden_layers", None)
@@ -289,7 +284,7 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
                              f"{type(partition_fn).__name__}")
     names = {id(module): name for name, module in model.named_modules()}
     if layers is None:
-        name = _find_stack(model)
+        name = find_stack(model)
     elif id(layers) not in names:
         raise ScanInputError("scan_decoder_layers: layers is not a submodule of model")
     else:
