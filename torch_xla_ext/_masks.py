@@ -17,7 +17,7 @@ import torch
 
 from ._scan.errors import ScanInputError
 
-__all__ = ["causal_mask", "check_mask_window", "model_window"]
+__all__ = ["causal_mask", "check_mask_window", "model_window", "packed_segments"]
 
 
 #: Masks causal_mask built: id -> (weak reference, the sliding window it was built for; None: full causal).
@@ -37,7 +37,8 @@ def _window_of(mask: torch.Tensor) -> int | None | str:
 
 
 def causal_mask(attention_mask: torch.Tensor, sliding_window: int | None = None,
-                dtype: torch.dtype | None = None, *, model: Any = None) -> torch.Tensor | dict[str, torch.Tensor]:
+                dtype: torch.dtype | None = None, *, model: Any = None,
+                _segments: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """The causal ``[batch, 1, seq, seq]`` attention mask of a ``[batch, seq]`` padding mask, built on its device.
 
     Pass it as ``model(..., attention_mask=causal_mask(mask, model=model))``:
@@ -85,7 +86,7 @@ def causal_mask(attention_mask: torch.Tensor, sliding_window: int | None = None,
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ScanInputError(f"causal_mask: dtype must be a floating-point torch.dtype, got {dtype!r}")
     if model is None:
-        return _built(attention_mask, sliding_window, dtype or torch.float32, additive=True)
+        return _built(attention_mask, sliding_window, dtype or torch.float32, True, _segments)
     config = model if not isinstance(model, torch.nn.Module) else getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
@@ -100,18 +101,38 @@ def causal_mask(attention_mask: torch.Tensor, sliding_window: int | None = None,
         dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     window = sliding_window if sliding_window is not None else _config_window(config)
     if window is not None and _interleaved(config):
-        return {"full_attention": _built(attention_mask, None, dtype, additive),
-                "sliding_attention": _built(attention_mask, window, dtype, additive)}
-    return _built(attention_mask, window, dtype, additive)
+        return {"full_attention": _built(attention_mask, None, dtype, additive, _segments),
+                "sliding_attention": _built(attention_mask, window, dtype, additive, _segments)}
+    return _built(attention_mask, window, dtype, additive, _segments)
 
 
-def _built(attention_mask: torch.Tensor, window: int | None, dtype: torch.dtype, additive: bool) -> torch.Tensor:
-    """The boolean (True: may attend) or additive mask of ``attention_mask``, causal, within ``window``."""
+def packed_segments(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """``[batch, seq]`` segment numbers of sequences packed in a row, computed on the device.
+
+    A new segment starts wherever the position ids do not step by one, as
+    Hugging Face's mask code finds packed sequences when it is given position
+    ids and no attention mask (it then lets a query attend only within its
+    own segment). ``position_ids`` may be ``[1, seq]`` for a whole batch.
+    """
+    position_ids = position_ids.expand(batch, -1)
+    steps = position_ids[:, 1:] - position_ids[:, :-1]
+    starts = torch.cat([torch.zeros_like(position_ids[:, :1]), (steps != 1).to(position_ids.dtype)], dim=1)
+    return starts.cumsum(-1)
+
+
+def _built(attention_mask: torch.Tensor, window: int | None, dtype: torch.dtype, additive: bool,
+           segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The boolean (True: may attend) or additive mask of ``attention_mask``, causal, within ``window``.
+
+    With ``segments`` (:func:`packed_segments`) a query attends only to keys of its own segment.
+    """
     seq = attention_mask.shape[1]
     allowed = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
     if window is not None:
         allowed = allowed.triu(-(window - 1))  # keys within the window: i - j < window
     mask = allowed[None, None] & attention_mask.bool()[:, None, None, :]
+    if segments is not None:
+        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
     if additive:
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     _remember_window(mask, window)

@@ -1,0 +1,210 @@
+"""``prepare(model, mesh)``: the whole recipe for a Hugging Face decoder model in one call.
+
+``fully_shard`` on every decoder layer and on the model, the decoder layers
+through ``scan_layers`` (:func:`~torch_xla_ext.hf.scan_decoder_layers`), and
+the attention mask built on the device: the prepared model takes the
+``[batch, seq]`` padding mask every data collator gives (or none) and hands
+its decoder the 4-D mask in the form the model's own mask code would build,
+so Hugging Face never reads a mask on the host.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._masks import causal_mask, packed_segments
+from ..distributed import FSDPModule, MixedPrecisionPolicy, fully_shard
+from ..distributed._state import is_fully_sharded, is_replicated
+from ._scan_stack import ScannedLayers, find_stack, scan_decoder_layers
+
+__all__ = ["PreparedOptions", "prepare", "prepared_options"]
+
+_ATTRIBUTE = "_txe_prepared"
+
+
+@dataclass(frozen=True)
+class PreparedOptions:
+    """What :func:`prepare` was called with (``model._txe_prepared``); a second call must ask for the same."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    mesh_devices: tuple[int, ...]
+    scan: bool
+    remat: Callable | None
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+
+
+def prepared_options(model: torch.nn.Module) -> PreparedOptions | None:
+    """The options :func:`prepare` applied to ``model``, or None if it was not prepared."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def _mesh_key(mesh: Any) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    import numpy as np
+
+    return (tuple(int(n) for n in mesh.mesh_shape), tuple(str(a) for a in mesh.axis_names),
+            tuple(int(d) for d in np.asarray(mesh.device_ids).reshape(-1)))
+
+
+def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, remat: Callable | None = None,
+            reshard_after_forward: bool = True,
+            mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+    """Fully shard, scan and mask-proof a ``transformers`` decoder model, in place; returns ``model``.
+
+    Args:
+      model: a ``transformers`` model whose forward loops over one
+        ``nn.ModuleList`` of ``config.num_hidden_layers`` decoder layers
+        (``LlamaForCausalLM``, ``Gemma2ForCausalLM``, ``GPT2LMHeadModel``, ...),
+        on the CPU (``fully_shard`` moves it) or already on the XLA device,
+        with ``sdpa`` or ``eager`` attention.
+      mesh: a torch_xla ``Mesh`` with an ``fsdp`` axis, or a 1-D mesh (default:
+        a 1-D ``('fsdp',)`` mesh over every device, as ``fully_shard``).
+      scan: run the decoder layers as one ``scan_layers`` loop
+        (:func:`scan_decoder_layers`). Sets ``config.use_cache = False``: a
+        scanned stack cannot write a KV cache (generation with
+        ``use_cache=True`` is refused with an error, never computed otherwise).
+      remat: a :mod:`torch_xla_ext.remat` policy for the scanned layers'
+        backward (``remat.nothing_saveable`` recomputes each layer from its
+        input). Needs ``scan=True``.
+      reshard_after_forward, mp_policy: passed to every ``fully_shard`` call.
+
+    What changes: each decoder layer and the model become fully sharded
+    (``fully_shard``), the layer list scans (``scan=True``), and the module
+    owning the layer list gets a forward pre-hook that replaces a 2-D
+    ``attention_mask`` (or none) with :func:`causal_mask` built on the device
+    in the model's own form (sliding windows, Gemma 2's per-kind dict; with
+    no mask and ``position_ids`` that restart, sequences packed in a row
+    attend within themselves, as Hugging Face's packed-sequence detection
+    does). A 4-D mask or a dict of them is passed on as given. Modules,
+    parameters, state-dict keys, class names and ``forward`` signatures stay.
+
+    Idempotent: preparing a prepared model with the same arguments returns it
+    unchanged; different arguments raise ``ValueError``. Every check runs
+    before anything changes: a model that is already partly fully sharded or
+    replicated, one whose decoder stack cannot be found, or one with another
+    attention implementation raises and stays as it was.
+    """
+    from .._scan.errors import ScanInputError
+    from ..distributed._param import resolve_mesh
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare expects a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(scan, bool):
+        raise TypeError(f"prepare: scan must be a bool, got {type(scan).__name__}")
+    if remat is not None and not callable(remat):
+        raise TypeError(f"prepare: remat must be a torch_xla_ext.remat policy or None, got {type(remat).__name__}")
+    if remat is not None and not scan:
+        raise ValueError("prepare: remat applies to the scanned layers' backward; pass scan=True (without scan, "
+                         "wrap layers in torch_xla.utils.checkpoint.checkpoint yourself)")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"prepare: reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"prepare: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mesh, _axis = resolve_mesh(mesh)
+    options = PreparedOptions(*_mesh_key(mesh), scan, remat, reshard_after_forward, mp_policy)
+    done = prepared_options(model)
+    if done is not None:
+        if done != options:
+            raise ValueError(f"prepare: this {type(model).__name__} was prepared with {done}; it cannot be prepared "
+                             f"again with {options} (build a new model)")
+        return model
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(
+            f"prepare: {type(model).__name__} uses attention implementation {implementation!r}; prepare builds the "
+            f"masks of 'sdpa' and 'eager' attention on the device. Load the model with attn_implementation='sdpa'.")
+    touched = [name or type(model).__name__ for name, m in model.named_modules()
+               if is_fully_sharded(m) or is_replicated(m)]
+    if touched:
+        raise ValueError(f"prepare: {touched[0]} is already fully sharded or replicated; prepare applies fully_shard "
+                         f"itself: pass the model as built")
+    try:
+        stack_name = find_stack(model)
+    except ScanInputError as e:
+        raise ValueError(f"prepare: {e}") from None
+    stack = model.get_submodule(stack_name)
+    if isinstance(stack, ScannedLayers):
+        raise ValueError(f"prepare: {stack_name} is already scanned; prepare scans it itself: pass the model as built")
+    owner = model.get_submodule(stack_name.rpartition(".")[0])
+    if _argument_position(owner, "attention_mask") is None:
+        raise ValueError(f"prepare: {type(owner).__name__}.forward takes no attention_mask argument; prepare builds "
+                         f"the decoder's mask, so it needs one")
+
+    # Every check passed: from here on the model changes.
+    for layer in stack:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    if scan:
+        scan_decoder_layers(model, stack, partition_fn=remat)
+        config.use_cache = False
+    positions = {name: _argument_position(owner, name)
+                 for name in ("attention_mask", "input_ids", "inputs_embeds", "position_ids", "past_key_values")}
+    owner.register_forward_pre_hook(_MaskOnDevice(model, positions), with_kwargs=True, prepend=True)
+    setattr(model, _ATTRIBUTE, options)
+    assert isinstance(model, FSDPModule)
+    return model
+
+
+def _argument_position(module: torch.nn.Module, name: str) -> int | None:
+    """``name``'s position among ``module.forward``'s arguments: -1 keyword-only, None not an argument."""
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params]
+    if name in names:
+        return names.index(name)
+    keyword_only = {p.name for p in inspect.signature(module.forward).parameters.values() if p.kind == p.KEYWORD_ONLY}
+    return -1 if name in keyword_only else None
+
+
+class _MaskOnDevice:
+    """The decoder owner's forward pre-hook: a 2-D ``attention_mask`` (or none) becomes the model's 4-D mask."""
+
+    def __init__(self, model: torch.nn.Module, positions: dict[str, int | None]) -> None:
+        import weakref
+
+        self._model = weakref.ref(model)  # the hook lives on a submodule of model: no cycle through it
+        self._positions = positions  # each argument's position in the owner's forward (-1, None: keyword only)
+
+    def _get(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        position = self._positions[name]
+        if position is not None and 0 <= position < len(args):
+            return args[position]
+        return None
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        model = self._model()
+        if model is None:
+            return None
+        if self._get(args, kwargs, "past_key_values") is not None:
+            return None  # generation with a cache: the model's own mask code accounts for the cached keys
+        mask = self._get(args, kwargs, "attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            built = causal_mask(mask, model=model)
+        elif mask is None:
+            hidden = self._get(args, kwargs, "inputs_embeds")
+            shaped = hidden if isinstance(hidden, torch.Tensor) else self._get(args, kwargs, "input_ids")
+            if not isinstance(shaped, torch.Tensor) or shaped.dim() < 2:
+                return None
+            batch, seq = shaped.shape[0], shaped.shape[1]
+            ones = torch.ones(batch, seq, dtype=torch.long, device=shaped.device)
+            position_ids = self._get(args, kwargs, "position_ids")
+            segments = packed_segments(position_ids, batch) if isinstance(position_ids, torch.Tensor) else None
+            built = causal_mask(ones, model=model, _segments=segments)
+        else:
+            return None  # a 4-D mask or a dict of them: the model uses it as given
+        position = self._positions["attention_mask"]
+        if "attention_mask" in kwargs or position is None or not 0 <= position < len(args):
+            kwargs = {**kwargs, "attention_mask": built}
+        else:
+            args = args[:position] + (built,) + args[position + 1:]
+        return args, kwargs
