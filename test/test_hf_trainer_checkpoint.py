@@ -1,0 +1,140 @@
+"""SPMDTrainer's checkpoints: shard by shard, resumed bit for bit in a new process, resharded onto another mesh.
+
+A run of 6 steps saves at steps 3 and 6. A new process builds and prepares
+the model again and resumes from step 3: its losses for steps 4-6 and its
+final parameters equal the uninterrupted run's exactly. The saves and the
+loads gather nothing (``ReplicateShardedData``). The step-6 checkpoint loads
+into a model prepared on a 4 x 2 mesh: equal values, the new mesh's sharding,
+the optimizer's moments sharded like their parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+from torch_xla_ext.distributed.checkpoint import load_sharded
+from torch_xla_ext.hf import SPMDTrainer, prepare
+from torch_xla_ext.hf.trainer import SHARDED_CHECKPOINT_DIR
+
+from child_process import SPMD_CHILD, run_surviving
+from hf_trainer_helpers import Counts, arguments, losses, tiny, token_rows
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:.*TypedStorage is deprecated"),
+]
+
+STEPS, SAVE_EVERY = 6, 3
+
+
+class _Counted(SPMDTrainer):
+    """Records what each checkpoint save and load moved."""
+
+    windows: dict[str, list[Counts]]
+
+    def _counted(self, name, call, *args, **kwargs):
+        before = Counts.now()
+        result = call(*args, **kwargs)
+        self.windows.setdefault(name, []).append(Counts.now() - before)
+        return result
+
+    def _save_checkpoint(self, *args, **kwargs):
+        return self._counted("save", super()._save_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, *args, **kwargs):
+        return self._counted("load_model", super()._load_from_checkpoint, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, *args, **kwargs):
+        return self._counted("load_optimizer", super()._load_optimizer_and_scheduler, *args, **kwargs)
+
+
+def _host(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+_RESUME = '''
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[3])
+from torch_xla_ext.hf import prepare
+from hf_trainer_helpers import arguments, losses, tiny, token_rows
+from test_hf_trainer_checkpoint import STEPS, SAVE_EVERY, _Counted
+trainer = _Counted(model=prepare(tiny("llama"), mesh),
+                   args=arguments(sys.argv[1], max_steps=STEPS, logging_steps=1, save_steps=SAVE_EVERY),
+                   train_dataset=token_rows(64, 12))
+trainer.windows = {}
+trainer.train(resume_from_checkpoint=sys.argv[2])
+torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, sys.argv[1] + "/final.pt")
+print(json.dumps({"losses": losses(trainer),
+                  "gathers": {k: [c.gathers for c in v] for k, v in trainer.windows.items()}}))
+'''
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, num_devices):
+    """The uninterrupted run: its trainer, the parameters at the end, what each save moved."""
+    out = tmp_path_factory.mktemp("trainer")
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    trainer = _Counted(model=prepare(tiny("llama"), mesh),
+                       args=arguments(out, max_steps=STEPS, logging_steps=1, save_steps=SAVE_EVERY),
+                       train_dataset=token_rows(64, 12))
+    trainer.windows = {}
+    trainer.train()
+    return trainer, _host(trainer.model), out
+
+
+def test_checkpoints_hold_shards_and_gather_nothing(run):
+    trainer, _, out = run
+    assert [c.gathers for c in trainer.windows["save"]] == [0, 0]
+    checkpoint = out / f"checkpoint-{SAVE_EVERY}"
+    files = set(os.listdir(checkpoint))
+    assert {SHARDED_CHECKPOINT_DIR, "scheduler.pt", "trainer_state.json", "rng_state.pth", "config.json"} <= files
+    # Neither Trainer's gathered model file nor its optimizer file.
+    assert not files & {"model.safetensors", "pytorch_model.bin", "optimizer.pt"}, files
+
+
+def test_resume_in_a_new_process_is_bit_identical(run, tmp_path):
+    trainer, final, out = run
+    child_out = tmp_path / "resumed"
+    child_out.mkdir()
+    test_dir = os.path.dirname(os.path.abspath(__file__))
+    stdout = run_surviving(tmp_path, SPMD_CHILD + _RESUME, str(child_out), str(out / f"checkpoint-{SAVE_EVERY}"),
+                           test_dir)
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["gathers"]["load_model"] == [0] and report["gathers"]["load_optimizer"] == [0]
+    assert report["gathers"]["save"] == [0]  # the step-6 save of the resumed run
+    assert report["losses"] == losses(trainer)  # steps 1-3 from the checkpoint's history, 4-6 recomputed
+    resumed = torch.load(child_out / "final.pt")
+    assert resumed.keys() == final.keys()
+    for key, value in final.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_a_checkpoint_loads_onto_another_mesh_sharded_again(run, num_devices):
+    trainer, final, out = run
+    mesh = xs.Mesh(np.arange(num_devices), (4, 2), ("fsdp", "tensor"))
+    model = prepare(tiny("llama"), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = Counts.now()
+    load_sharded(out / f"checkpoint-{STEPS}" / SHARDED_CHECKPOINT_DIR, model, optimizer)
+    assert (Counts.now() - before).gathers == 0
+    assert _host(model).keys() == final.keys()
+    for key, value in _host(model).items():
+        assert torch.equal(value, final[key]), key
+    saved = trainer.optimizer.optimizer.state
+    names = dict(trainer.model.named_parameters())
+    for name, param in model.named_parameters():
+        spec = torch_xla._XLAC._get_xla_sharding_spec(param)
+        assert spec.startswith("{devices=[4,1,2]") or spec.startswith("{devices=[4,2]"), (name, spec)
+        moment = optimizer.state[param]["exp_avg"]
+        assert torch_xla._XLAC._get_xla_sharding_spec(moment) == spec, name
+        assert torch.equal(moment.cpu(), saved[names[name]]["exp_avg"].cpu()), name

@@ -1,0 +1,124 @@
+"""``SPMDTrainer``: transformers' ``Trainer`` for a fully sharded model on XLA SPMD.
+
+Everything a user sets through ``TrainingArguments`` works as in
+``Trainer``. What the subclass changes, and only for what Trainer cannot be
+told through its arguments:
+
+* **Checkpoints gather nothing.** Trainer's checkpoints during training
+  (``save_steps``, ``save_strategy``) write the model and optimizer through
+  :func:`torch_xla_ext.distributed.checkpoint.save_sharded`: every device's
+  shard as it is, into ``checkpoint-N/sharded/``, beside the scheduler,
+  RNG and trainer state Trainer writes as usual. ``Trainer.train
+  (resume_from_checkpoint=...)`` and ``load_best_model_at_end`` read them
+  back into the sharded model (resharding when the model was prepared on
+  another mesh). Trainer's own XLA checkpoint gathers every parameter and
+  every optimizer moment to one device and the host. ``trainer.save_model()``
+  (the user's call, after training) still writes Hugging Face's format
+  (``from_pretrained`` reads it): that has to gather.
+* **The default optimizer runs on XLA.** Trainer's default ``optim`` is
+  ``adamw_torch_fused``, whose kernels exist for CUDA and the CPU, not XLA
+  (``RuntimeError: fused=True requires ... devices``); the same AdamW runs
+  unfused here (the same update, rounded as XLA rounds).
+
+A model from :func:`torch_xla_ext.hf.prepare` needs nothing else: its mask is
+built on the device (no host read per step), and Trainer evaluates without
+copying logits to the host unless ``compute_metrics`` asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import transformers
+
+from ..distributed import FSDPModule
+from ..distributed.checkpoint import load_sharded, save_sharded
+
+__all__ = ["SHARDED_CHECKPOINT_DIR", "SPMDTrainer"]
+
+#: The folder of a Trainer checkpoint (``checkpoint-N/``) that holds the model's and optimizer's shards.
+SHARDED_CHECKPOINT_DIR = "sharded"
+_SCHEDULER_NAME = "scheduler.pt"  # Trainer's own file name for the scheduler state
+
+
+class SPMDTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose checkpoints neither gather nor copy whole tensors, for a fully sharded model.
+
+    Takes the arguments ``Trainer`` takes. ``model`` must be fully sharded
+    (:func:`torch_xla_ext.hf.prepare`, or ``fully_shard`` applied to it);
+    Trainer's own FSDP options (``fsdp=``, ``fsdp_config=``) are refused:
+    the model already is.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
+                 *rest: Any, **kwargs: Any) -> None:
+        if not isinstance(model, FSDPModule):
+            raise TypeError(f"SPMDTrainer trains a fully sharded model (torch_xla_ext.hf.prepare(model, mesh)); got "
+                            f"{type(model).__name__ if model is not None else None}")
+        if args is not None and args.fsdp:
+            raise ValueError("SPMDTrainer: the model is fully sharded already; leave TrainingArguments' fsdp and "
+                             "fsdp_config unset")
+        super().__init__(model, args, *rest, **kwargs)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: transformers.TrainingArguments,
+                                     model: torch.nn.Module | None = None) -> tuple[Any, Any]:
+        """Trainer's choice, with fused kernels (CUDA and CPU only) switched off: the same update on XLA."""
+        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+        if kwargs.get("fused"):
+            kwargs = {**kwargs, "fused": False}
+        return cls, kwargs
+
+    # ---- saving ----
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """At a checkpoint: the config and the model's shards; called by the user: Hugging Face's format."""
+        if not _internal_call:
+            super().save_model(output_dir, _internal_call)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        config = getattr(self.model, "config", None)
+        if config is not None:
+            config.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.save_only_model:  # otherwise the model's shards go with the optimizer's
+            save_sharded(os.path.join(output_dir, SHARDED_CHECKPOINT_DIR), self.model)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_sharded(os.path.join(output_dir, SHARDED_CHECKPOINT_DIR), self.model, self.optimizer)
+        if self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+    # ---- loading ----
+
+    @staticmethod
+    def _sharded(checkpoint: str | None) -> str | None:
+        path = None if checkpoint is None else os.path.join(checkpoint, SHARDED_CHECKPOINT_DIR)
+        return path if path is not None and os.path.isdir(path) else None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        sharded = self._sharded(resume_from_checkpoint)
+        if sharded is None:  # a checkpoint in Hugging Face's format: Trainer reads it
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        load_sharded(sharded, self.model if model is None else model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        sharded = self._sharded(checkpoint)
+        if sharded is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        load_sharded(sharded, self.model, self.optimizer, load_model=False)
+        scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        sharded = self._sharded(self.state.best_model_checkpoint)
+        if sharded is None:
+            super()._load_best_model()
+            return
+        load_sharded(sharded, self.model)
