@@ -12,8 +12,12 @@ VOCAB = 128
 
 
 def tiny(kind: str) -> torch.nn.Module:
-    """A seeded tiny causal LM: ``llama`` or ``gemma2`` (sliding and full attention interleaved)."""
+    """A seeded tiny causal LM: ``llama``, ``gpt2`` (head tied to the embedding) or ``gemma2`` (interleaved)."""
     torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config)
     if kind == "llama":
         config = transformers.LlamaConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

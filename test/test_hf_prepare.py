@@ -14,6 +14,7 @@ import transformers
 from torch_xla_ext import remat
 from torch_xla_ext.distributed import FSDPModule, fully_shard
 from torch_xla_ext.hf import ScannedLayers, prepare, prepared_options
+from torch_xla_ext.scan import scan_cache_info
 from torch_xla_ext.testing import measure_transfers
 
 from hf_trainer_helpers import VOCAB, tiny
@@ -33,9 +34,9 @@ def _packed_position_ids(batch: int, lengths: tuple[int, ...]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "loop"])
-@pytest.mark.parametrize("given", ["2d", "none", "packed"])
-def test_prepared_model_gives_the_models_own_logits_and_reads_nothing(mesh, given, scan):
-    cpu = tiny("llama").eval()
+@pytest.mark.parametrize("kind, given", [("llama", "2d"), ("llama", "none"), ("llama", "packed"), ("gpt2", "2d")])
+def test_prepared_model_gives_the_models_own_logits_and_reads_nothing(mesh, kind, given, scan):
+    cpu = tiny(kind).eval()
     model = prepare(copy.deepcopy(cpu), mesh, scan=scan).eval()
     device = torch_xla.device()
     g = torch.Generator().manual_seed(2)
@@ -73,6 +74,35 @@ def test_prepare_is_idempotent_and_refuses_other_arguments(mesh):
         prepare(model, mesh, remat=remat.nothing_saveable)
     with pytest.raises(ValueError, match="prepared with"):
         prepare(model, mesh, scan=False)
+
+
+def test_a_deep_copy_of_a_prepared_model_builds_its_own_mask(mesh):
+    cpu = tiny("llama").eval()
+    original = prepare(copy.deepcopy(cpu), mesh).eval()
+    model = copy.deepcopy(original)
+    del original
+    ids = torch.randint(0, VOCAB, (8, 12))
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[:, :3] = 0
+    with torch.no_grad():
+        expected = cpu(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        device = torch_xla.device()
+        ids_d, mask_d = ids.to(device), mask.to(device)
+        torch_xla.sync()
+        scans = scan_cache_info()
+        with measure_transfers() as moved:
+            logits = model(input_ids=ids_d, attention_mask=mask_d).logits
+            torch_xla.sync()
+    after = scan_cache_info()
+    assert (after.traces + after.hits) - (scans.traces + scans.hits) == 1  # the copy's stack scanned
+    assert not moved.device_to_host, moved.report()
+    torch.testing.assert_close(logits.cpu(), expected, **TOL)
+    model.model.layers.unscan()  # the copy's own hooks go; a forward now loops over the layers
+    assert [type(h).__name__ for h in model.model._forward_pre_hooks.values()] == ["_MaskOnDevice"]
+    assert not model.model._forward_hooks
+    with torch.no_grad():
+        looped = model(input_ids=ids_d, attention_mask=mask_d).logits
+    torch.testing.assert_close(looped.cpu(), expected, **TOL)
 
 
 def test_prepare_keeps_class_names_for_name_based_tooling(mesh):

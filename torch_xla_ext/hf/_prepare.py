@@ -134,6 +134,9 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     if isinstance(stack, ScannedLayers):
         raise ValueError(f"prepare: {stack_name} is already scanned; prepare scans it itself: pass the model as built")
     owner = model.get_submodule(stack_name.rpartition(".")[0])
+    if getattr(owner, "config", None) is None:
+        raise ValueError(f"prepare: {type(owner).__name__}, which runs the decoder layers, has no config; prepare "
+                         f"takes a transformers model")
     if _argument_position(owner, "attention_mask") is None:
         raise ValueError(f"prepare: {type(owner).__name__}.forward takes no attention_mask argument; prepare builds "
                          f"the decoder's mask, so it needs one")
@@ -147,7 +150,7 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
         config.use_cache = False
     positions = {name: _argument_position(owner, name)
                  for name in ("attention_mask", "input_ids", "inputs_embeds", "position_ids", "past_key_values")}
-    owner.register_forward_pre_hook(_MaskOnDevice(model, positions), with_kwargs=True, prepend=True)
+    owner.register_forward_pre_hook(_MaskOnDevice(positions), with_kwargs=True, prepend=True)
     setattr(model, _ATTRIBUTE, options)
     assert isinstance(model, FSDPModule)
     return model
@@ -165,12 +168,13 @@ def _argument_position(module: torch.nn.Module, name: str) -> int | None:
 
 
 class _MaskOnDevice:
-    """The decoder owner's forward pre-hook: a 2-D ``attention_mask`` (or none) becomes the model's 4-D mask."""
+    """The decoder owner's forward pre-hook: a 2-D ``attention_mask`` (or none) becomes the model's 4-D mask.
 
-    def __init__(self, model: torch.nn.Module, positions: dict[str, int | None]) -> None:
-        import weakref
+    It holds no module: the mask takes its form from the module it runs on
+    (its ``config`` and ``dtype``), so a deep copy of the model builds its own.
+    """
 
-        self._model = weakref.ref(model)  # the hook lives on a submodule of model: no cycle through it
+    def __init__(self, positions: dict[str, int | None]) -> None:
         self._positions = positions  # each argument's position in the owner's forward (-1, None: keyword only)
 
     def _get(self, args: tuple, kwargs: dict, name: str) -> Any:
@@ -182,14 +186,11 @@ class _MaskOnDevice:
         return None
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        model = self._model()
-        if model is None:
-            return None
         if self._get(args, kwargs, "past_key_values") is not None:
             return None  # generation with a cache: the model's own mask code accounts for the cached keys
         mask = self._get(args, kwargs, "attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            built = causal_mask(mask, model=model)
+            built = causal_mask(mask, model=module)
         elif mask is None:
             hidden = self._get(args, kwargs, "inputs_embeds")
             shaped = hidden if isinstance(hidden, torch.Tensor) else self._get(args, kwargs, "input_ids")
@@ -199,7 +200,7 @@ class _MaskOnDevice:
             ones = torch.ones(batch, seq, dtype=torch.long, device=shaped.device)
             position_ids = self._get(args, kwargs, "position_ids")
             segments = packed_segments(position_ids, batch) if isinstance(position_ids, torch.Tensor) else None
-            built = causal_mask(ones, model=model, _segments=segments)
+            built = causal_mask(ones, model=module, _segments=segments)
         else:
             return None  # a 4-D mask or a dict of them: the model uses it as given
         position = self._positions["attention_mask"]

@@ -35,6 +35,7 @@ full alternation) are scanned in groups of p layers (``scan_layers``'
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 import threading
@@ -54,19 +55,68 @@ __all__ = ["ScannedLayers", "find_stack", "scan_decoder_layers"]
 
 
 class _Options:
-    """What a scanned stack passes to ``scan_layers``, and the forward hooks that mark its owner's forward."""
+    """What a scanned stack passes to ``scan_layers``, and the forward hooks on its owner that mark its forward.
 
-    def __init__(self, partition_fn: Callable | None, is_layer_pure: bool, handles: list,
+    A deep copy of the model copies it consistently (the copy's hooks and its
+    stack share one new instance, through the copy's memo) with a fresh
+    per-thread record.
+    """
+
+    def __init__(self, partition_fn: Callable | None, is_layer_pure: bool, owner: torch.nn.Module,
                  window: int | None = None, group_size: int = 1) -> None:
         self.partition_fn = partition_fn
         self.is_layer_pure = is_layer_pure
-        self.handles = handles
+        self.owner = owner  # the module whose forward loops over the stack; its hooks are _Enter and _Leave
+        self.hook_ids: tuple[int, int] = (-1, -1)  # (pre-hook, hook) ids in owner's hook dicts
         self.window = window  # the model's sliding window (see torch_xla_ext._masks.model_window)
         self.group_size = group_size  # the period of config.layer_types (1: every layer alike)
         self.local = threading.local()  # .depth: the owner's forwards running; .masks: their attention_mask
 
     def active(self) -> bool:
         return getattr(self.local, "depth", 0) > 0
+
+    def remove_hooks(self) -> None:
+        pre, post = self.hook_ids
+        owner = self.owner
+        for hooks, key in ((owner._forward_pre_hooks, pre), (owner._forward_pre_hooks_with_kwargs, pre),
+                           (owner._forward_hooks, post), (owner._forward_hooks_always_called, post)):
+            hooks.pop(key, None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Options:
+        new = _Options.__new__(_Options)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name != "local":
+                setattr(new, name, copy.deepcopy(value, memo))
+        new.local = threading.local()
+        return new
+
+
+class _Enter:
+    """The owner's forward pre-hook: its forward runs (the stack scans), with this ``attention_mask``."""
+
+    def __init__(self, options: _Options, mask_position: int | None) -> None:
+        self.options, self.mask_position = options, mask_position
+
+    def __call__(self, _module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        local = self.options.local
+        local.depth = getattr(local, "depth", 0) + 1
+        # The mask the model was given (its layers may receive one derived from it).
+        mask = kwargs.get("attention_mask")
+        if mask is None and self.mask_position is not None and self.mask_position < len(args):
+            mask = args[self.mask_position]
+        local.__dict__.setdefault("masks", []).append(mask)
+
+
+class _Leave:
+    """The owner's forward hook (always called): its forward ended."""
+
+    def __init__(self, options: _Options) -> None:
+        self.options = options
+
+    def __call__(self, *_: Any) -> None:
+        self.options.local.depth -= 1
+        self.options.local.masks.pop()
 
 
 class ScannedLayers(torch.nn.ModuleList):
@@ -97,8 +147,7 @@ class ScannedLayers(torch.nn.ModuleList):
 
     def unscan(self) -> torch.nn.ModuleList:
         """Make this list a plain ``nn.ModuleList`` again (the model loops over its layers in Python)."""
-        for handle in self._txe_scan.handles:
-            handle.remove()
+        self._txe_scan.remove_hooks()
         del self._txe_scan
         self.__class__ = torch.nn.ModuleList
         return self
@@ -307,24 +356,12 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
             f"gives each kind its own arguments (a sliding-window mask), which one scan over all layers cannot do"
         )
     owner = model.get_submodule(name.rpartition(".")[0])
-    options = _Options(partition_fn, is_layer_pure, [], model_window(model), group_size)
+    options = _Options(partition_fn, is_layer_pure, owner, model_window(model), group_size)
     params = list(inspect.signature(owner.forward).parameters)  # bound method: no self
     position = params.index("attention_mask") if "attention_mask" in params else None
-
-    def enter(_module, args, kwargs):
-        options.local.depth = getattr(options.local, "depth", 0) + 1
-        # The mask the model was given (its layers may receive one derived from it).
-        mask = kwargs.get("attention_mask")
-        if mask is None and position is not None and position < len(args):
-            mask = args[position]
-        options.local.__dict__.setdefault("masks", []).append(mask)
-
-    def leave(*_):
-        options.local.depth -= 1
-        options.local.masks.pop()
-
-    options.handles += [owner.register_forward_pre_hook(enter, with_kwargs=True),
-                        owner.register_forward_hook(leave, always_call=True)]
+    pre = owner.register_forward_pre_hook(_Enter(options, position), with_kwargs=True)
+    post = owner.register_forward_hook(_Leave(options), always_call=True)
+    options.hook_ids = (pre.id, post.id)
     stack.__class__ = ScannedLayers
     stack._txe_scan = options
     return stack
