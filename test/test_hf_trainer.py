@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
+import transformers
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
 
@@ -22,6 +23,7 @@ from hf_trainer_helpers import Counts, StepCounts, arguments, cpu_reference, los
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Trainer's and accelerate's xm.mark_step
     pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"),
     pytest.mark.filterwarnings("ignore:.*TypedStorage is deprecated"),
 ]
@@ -74,6 +76,12 @@ def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(t
     assert (middle - before).compiles > 0 and (after - middle).compiles == 0
     logits_bytes = 8 * 8 * 128 * 4  # the smallest evaluation batch's float32 logits
     assert (after - middle).gathers <= 1 and (after - middle).d2h_bytes < logits_bytes, after - middle
+
+    # save_model() after training writes Hugging Face's format, which from_pretrained reads on the CPU.
+    trainer.save_model(str(tmp_path / "final"))
+    saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "final"))
+    for key, value in saved.state_dict().items():
+        assert torch.equal(value, trainer.model.state_dict()[key].cpu()), key
 
     # predict() returns the logits, as asked.
     predicted = trainer.predict(rows[:8])

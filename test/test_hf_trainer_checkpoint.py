@@ -138,3 +138,24 @@ def test_a_checkpoint_loads_onto_another_mesh_sharded_again(run, num_devices):
         moment = optimizer.state[param]["exp_avg"]
         assert torch_xla._XLAC._get_xla_sharding_spec(moment) == spec, name
         assert torch.equal(moment.cpu(), saved[names[name]]["exp_avg"].cpu()), name
+
+
+def test_load_best_model_at_end_reads_the_best_checkpoints_shards(tmp_path, num_devices):
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    rows = token_rows(32, 12)
+    args = arguments(tmp_path, max_steps=4, logging_steps=1, save_steps=2, eval_strategy="steps", eval_steps=2,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    # greater_is_better=True on a falling loss: the best is the first evaluation, not the last state.
+    trainer = _Counted(model=prepare(tiny("llama"), mesh), args=args, train_dataset=rows, eval_dataset=rows[:8])
+    trainer.windows = {}
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    expected = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-2" / SHARDED_CHECKPOINT_DIR, expected)
+    got, best = _host(trainer.model), _host(expected)
+    assert got.keys() == best.keys()
+    for key, value in best.items():
+        assert torch.equal(got[key], value), key
+    step4 = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-4" / SHARDED_CHECKPOINT_DIR, step4)
+    assert not all(torch.equal(a, b) for a, b in zip(_host(step4).values(), best.values()))

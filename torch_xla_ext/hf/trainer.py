@@ -81,15 +81,16 @@ class SPMDTrainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         config = getattr(self.model, "config", None)
-        if config is not None:
-            config.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.should_save:  # host files: one process writes them; every process writes its shards
+            if config is not None:
+                config.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if self.args.save_only_model:  # otherwise the model's shards go with the optimizer's
             save_sharded(os.path.join(output_dir, SHARDED_CHECKPOINT_DIR), self.model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_sharded(os.path.join(output_dir, SHARDED_CHECKPOINT_DIR), self.model, self.optimizer)
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
     # ---- loading ----
