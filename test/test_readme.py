@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pathlib
+import sys
+import textwrap
+import types
 
 import pytest
 import torch
@@ -25,3 +28,37 @@ def test_readme_example_runs(capsys):
     kinds = [line.split()[-1] for line in out.splitlines() if line.split()[-1:] in (["input"], ["hoisted"], ["seed"])]
     assert sorted(kinds) == ["hoisted", "input", "input"], out
     assert "Parameters (3)" in out and "Host transfers (0)" in out
+
+
+def python_blocks() -> list[tuple[int, str]]:
+    """Every block fenced as ``python``, in order, with the line it starts on (listings are fenced as text)."""
+    text = README.read_text()
+    blocks, start = [], 0
+    while (start := text.find("```python\n", start)) != -1:
+        body = start + len("```python\n")
+        end = text.index("```", body)
+        # A block inside a list item is indented like the item.
+        blocks.append((text.count("\n", 0, start) + 1, textwrap.dedent(text[body:end])))
+        start = end + 3
+    return blocks
+
+
+@pytest.mark.filterwarnings("ignore:XLA_USE_SPMD is being deprecated")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_every_python_block_runs_in_order(tmp_path, monkeypatch, capsys):
+    # The README reads top to bottom: a block may use what an earlier one made (the Trainer example's
+    # config and mesh). Files it writes land in a temporary directory.
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    module = types.ModuleType("readme_blocks")  # a real module: dynamo looks the globals' module up by name
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
+    blocks = python_blocks()
+    assert len(blocks) >= 8
+    for line, code in blocks:
+        exec(compile(code, f"{README}:{line}", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert (tmp_path / "out" / "checkpoint-8" / "sharded").is_dir()
+    assert namespace["r"].fits is True, out  # the TPU fit check's result for the tiny Llama
