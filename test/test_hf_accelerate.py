@@ -56,7 +56,8 @@ def test_accelerate_loop_matches_the_cpu_loop_and_moves_nothing_per_step(num_dev
     torch_xla.sync()
     assert [t.item() for t in got] == pytest.approx(expected, rel=1e-5)
     # The losses were read after the loop. Inside it nothing was read on the host or gathered after the
-    # first step; a step's program compiles when the loader syncs, at the next batch: two programs (the
-    # first step's, and the second's with AdamW's state), none from the fourth batch on.
+    # first step; a step's program compiles when the loader syncs, at the next batch: the first step's and
+    # the second's (with AdamW's state; unless this process compiled the same program before, the
+    # compile cache being process-wide), none from the fourth batch on.
     assert [(c.d2h, c.gathers) for c in per_step[1:]] == [(0, 0)] * (STEPS - 1), per_step
-    assert sum(c.compiles for c in per_step) == 2 and not any(c.compiles for c in per_step[3:]), per_step
+    assert sum(c.compiles for c in per_step) <= 2 and not any(c.compiles for c in per_step[3:]), per_step

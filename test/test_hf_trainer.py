@@ -73,7 +73,7 @@ def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(t
     after = Counts.now()
     assert first["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert second["eval_loss"] == first["eval_loss"]
-    assert (middle - before).compiles > 0 and (after - middle).compiles == 0
+    assert (after - middle).compiles == 0  # (the first compiles unless this process compiled the same programs)
     logits_bytes = 8 * 8 * 128 * 4  # the smallest evaluation batch's float32 logits
     assert (after - middle).gathers <= 1 and (after - middle).d2h_bytes < logits_bytes, after - middle
 
