@@ -1,14 +1,14 @@
-"""The README's example runs as written."""
+"""The README runs as written: its example, and every block fenced as python, in order, in a new process."""
 
 from __future__ import annotations
 
 import pathlib
-import sys
 import textwrap
-import types
 
 import pytest
 import torch
+
+from child_process import run_surviving
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -43,22 +43,26 @@ def python_blocks() -> list[tuple[int, str]]:
     return blocks
 
 
-@pytest.mark.filterwarnings("ignore:XLA_USE_SPMD is being deprecated")
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_every_python_block_runs_in_order(tmp_path, monkeypatch, capsys):
+_RUN_BLOCKS = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+from test_readme import python_blocks, README
+module = types.ModuleType("readme_blocks")  # a real module: dynamo looks the globals' module up by name
+sys.modules[module.__name__] = module
+for line, code in python_blocks():
+    print(f"--- block at README.md:{line}", flush=True)
+    exec(compile(code, f"{README}:{line}", "exec"), module.__dict__)
+print("fits:", module.__dict__["r"].fits)
+"""
+
+
+def test_every_python_block_runs_in_order(tmp_path, monkeypatch):
     # The README reads top to bottom: a block may use what an earlier one made (the Trainer example's
-    # config and mesh). Files it writes land in a temporary directory.
+    # config and mesh). A new process, as a reader's would be: it starts from the environment the first
+    # block sets up, and a crash fails this test instead of the suite. Files land in a temporary directory.
+    assert len(python_blocks()) >= 8
     monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    module = types.ModuleType("readme_blocks")  # a real module: dynamo looks the globals' module up by name
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    namespace = module.__dict__
-    blocks = python_blocks()
-    assert len(blocks) >= 8
-    for line, code in blocks:
-        exec(compile(code, f"{README}:{line}", "exec"), namespace)
-    out = capsys.readouterr().out
+    out = run_surviving(tmp_path, _RUN_BLOCKS, str(pathlib.Path(__file__).resolve().parent))
+    assert out.count("--- block at README.md:") == len(python_blocks())
     assert (tmp_path / "out" / "checkpoint-8" / "sharded").is_dir()
-    assert namespace["r"].fits is True, out  # the TPU fit check's result for the tiny Llama
+    assert "fits: True" in out  # the TPU fit check's result for the tiny Llama
