@@ -41,7 +41,7 @@ _probe = torch.ones(2).to(torch_xla.device()).requires_grad_()
 torch.autograd.grad(_probe.sum(), [_probe])
 del _probe
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "hf_trainer_helpers"]  # the latter: the shared Trainer run (a fixture)
 
 settings.register_profile("torch_xla_ext", derandomize=True, database=None, deadline=None)
 settings.load_profile("torch_xla_ext")

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import pytest
 import torch
 import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
 import transformers
+
+from torch_xla_ext.hf import SPMDTrainer, prepare
 
 VOCAB = 128
 
@@ -100,3 +105,61 @@ class StepCounts(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.inside.append(Counts.now() - self._begin)
+
+
+class CountedTrainer(SPMDTrainer):
+    """``SPMDTrainer`` that records what each checkpoint save and load moved (``windows``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.windows: dict[str, list[Counts]] = {}
+
+    def _counted(self, name, call, *args, **kwargs):
+        before = Counts.now()
+        result = call(*args, **kwargs)
+        self.windows.setdefault(name, []).append(Counts.now() - before)
+        return result
+
+    def _save_checkpoint(self, *args, **kwargs):
+        return self._counted("save", super()._save_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, *args, **kwargs):
+        return self._counted("load_model", super()._load_from_checkpoint, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, *args, **kwargs):
+        return self._counted("load_optimizer", super()._load_optimizer_and_scheduler, *args, **kwargs)
+
+
+RUN_STEPS, SAVE_EVERY = 6, 3
+
+
+def run_arguments(output_dir) -> transformers.TrainingArguments:
+    """The shared run's arguments: Trainer's defaults, every step logged, a checkpoint every 3 steps."""
+    return arguments(output_dir, max_steps=RUN_STEPS, logging_steps=1, save_steps=SAVE_EVERY)
+
+
+def host_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+@dataclasses.dataclass
+class TrainedRun:
+    trainer: CountedTrainer
+    steps: StepCounts
+    final: dict[str, torch.Tensor]  # the parameters when training ended
+    out: object  # the output directory (pathlib.Path)
+    rows: list
+
+
+@pytest.fixture(scope="session")
+def trained_llama(tmp_path_factory, num_devices) -> TrainedRun:
+    """One SPMDTrainer run of a prepared tiny Llama, shared by the Trainer and checkpoint tests (one compile)."""
+    out = tmp_path_factory.mktemp("trainer")
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    rows = token_rows(64, 12)
+    steps = StepCounts()
+    trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=run_arguments(out), train_dataset=rows,
+                             callbacks=[steps])
+    assert trainer.args.optim == "adamw_torch_fused"  # Trainer's default, left as the user gave it
+    trainer.train()
+    return TrainedRun(trainer, steps, host_state(trainer.model), out, rows)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch_xla
 import torch_xla.distributed.spmd as xs
 import transformers
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
 
-from hf_trainer_helpers import Counts, StepCounts, arguments, cpu_reference, losses, tiny, token_rows
+from hf_trainer_helpers import RUN_STEPS, Counts, StepCounts, arguments, cpu_reference, losses, tiny, token_rows
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -27,8 +26,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"),
     pytest.mark.filterwarnings("ignore:.*TypedStorage is deprecated"),
 ]
-
-STEPS = 6
 
 
 def _eval_rows() -> list[dict[str, torch.Tensor]]:
@@ -44,17 +41,11 @@ def mesh(num_devices):
     return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
 
 
-def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(tmp_path, mesh):
-    train = token_rows(64, 12)
-    steps = StepCounts()
-    trainer = SPMDTrainer(model=prepare(tiny("llama"), mesh),
-                          args=arguments(tmp_path / "xla", max_steps=STEPS, logging_steps=1, save_strategy="no"),
-                          train_dataset=train, callbacks=[steps])
-    assert trainer.args.optim == "adamw_torch_fused"  # Trainer's default, left as the user gave it
-    trainer.train()
-    reference = cpu_reference("llama", tmp_path / "cpu", train, max_steps=STEPS, logging_steps=1,
+def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(tmp_path, trained_llama):
+    trainer, steps = trained_llama.trainer, trained_llama.steps
+    reference = cpu_reference("llama", tmp_path / "cpu", trained_llama.rows, max_steps=RUN_STEPS, logging_steps=1,
                               save_strategy="no")
-    assert len(losses(trainer)) == STEPS
+    assert len(losses(trainer)) == RUN_STEPS
     assert losses(trainer) == pytest.approx(losses(reference), rel=1e-5)
     # Inside every step after the first: nothing read on the host, nothing gathered.
     for step, moved in enumerate(steps.inside[1:], start=2):
@@ -66,7 +57,6 @@ def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(t
     # and the logits stay on the device (only the per-row losses come to the host).
     rows = _eval_rows()
     expected = reference.evaluate(rows)["eval_loss"]
-    before = Counts.now()
     first = trainer.evaluate(rows)
     middle = Counts.now()
     second = trainer.evaluate(rows)

@@ -20,11 +20,12 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 
 from torch_xla_ext.distributed.checkpoint import load_sharded
-from torch_xla_ext.hf import SPMDTrainer, prepare
+from torch_xla_ext.hf import prepare
 from torch_xla_ext.hf.trainer import SHARDED_CHECKPOINT_DIR
 
 from child_process import SPMD_CHILD, run_surviving
-from hf_trainer_helpers import Counts, arguments, losses, tiny, token_rows
+from hf_trainer_helpers import (RUN_STEPS, SAVE_EVERY, Counts, CountedTrainer, arguments, host_state, losses, tiny,
+                                token_rows)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -33,45 +34,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*TypedStorage is deprecated"),
 ]
 
-STEPS, SAVE_EVERY = 6, 3
-
-
-class _Counted(SPMDTrainer):
-    """Records what each checkpoint save and load moved."""
-
-    windows: dict[str, list[Counts]]
-
-    def _counted(self, name, call, *args, **kwargs):
-        before = Counts.now()
-        result = call(*args, **kwargs)
-        self.windows.setdefault(name, []).append(Counts.now() - before)
-        return result
-
-    def _save_checkpoint(self, *args, **kwargs):
-        return self._counted("save", super()._save_checkpoint, *args, **kwargs)
-
-    def _load_from_checkpoint(self, *args, **kwargs):
-        return self._counted("load_model", super()._load_from_checkpoint, *args, **kwargs)
-
-    def _load_optimizer_and_scheduler(self, *args, **kwargs):
-        return self._counted("load_optimizer", super()._load_optimizer_and_scheduler, *args, **kwargs)
-
-
-def _host(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
 _RESUME = '''
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[3])
 from torch_xla_ext.hf import prepare
-from hf_trainer_helpers import arguments, losses, tiny, token_rows
-from test_hf_trainer_checkpoint import STEPS, SAVE_EVERY, _Counted
-trainer = _Counted(model=prepare(tiny("llama"), mesh),
-                   args=arguments(sys.argv[1], max_steps=STEPS, logging_steps=1, save_steps=SAVE_EVERY),
-                   train_dataset=token_rows(64, 12))
-trainer.windows = {}
+from hf_trainer_helpers import CountedTrainer, losses, run_arguments, tiny, token_rows
+trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=run_arguments(sys.argv[1]),
+                         train_dataset=token_rows(64, 12))
 trainer.train(resume_from_checkpoint=sys.argv[2])
 torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, sys.argv[1] + "/final.pt")
 print(json.dumps({"losses": losses(trainer),
@@ -79,21 +49,8 @@ print(json.dumps({"losses": losses(trainer),
 '''
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, num_devices):
-    """The uninterrupted run: its trainer, the parameters at the end, what each save moved."""
-    out = tmp_path_factory.mktemp("trainer")
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
-    trainer = _Counted(model=prepare(tiny("llama"), mesh),
-                       args=arguments(out, max_steps=STEPS, logging_steps=1, save_steps=SAVE_EVERY),
-                       train_dataset=token_rows(64, 12))
-    trainer.windows = {}
-    trainer.train()
-    return trainer, _host(trainer.model), out
-
-
-def test_checkpoints_hold_shards_and_gather_nothing(run):
-    trainer, _, out = run
+def test_checkpoints_hold_shards_and_gather_nothing(trained_llama):
+    trainer, out = trained_llama.trainer, trained_llama.out
     assert [c.gathers for c in trainer.windows["save"]] == [0, 0]
     checkpoint = out / f"checkpoint-{SAVE_EVERY}"
     files = set(os.listdir(checkpoint))
@@ -102,8 +59,8 @@ def test_checkpoints_hold_shards_and_gather_nothing(run):
     assert not files & {"model.safetensors", "pytorch_model.bin", "optimizer.pt"}, files
 
 
-def test_resume_in_a_new_process_is_bit_identical(run, tmp_path):
-    trainer, final, out = run
+def test_resume_in_a_new_process_is_bit_identical(trained_llama, tmp_path):
+    trainer, final, out = trained_llama.trainer, trained_llama.final, trained_llama.out
     child_out = tmp_path / "resumed"
     child_out.mkdir()
     test_dir = os.path.dirname(os.path.abspath(__file__))
@@ -119,16 +76,16 @@ def test_resume_in_a_new_process_is_bit_identical(run, tmp_path):
         assert torch.equal(resumed[key], value), key
 
 
-def test_a_checkpoint_loads_onto_another_mesh_sharded_again(run, num_devices):
-    trainer, final, out = run
+def test_a_checkpoint_loads_onto_another_mesh_sharded_again(trained_llama, num_devices):
+    trainer, final, out = trained_llama.trainer, trained_llama.final, trained_llama.out
     mesh = xs.Mesh(np.arange(num_devices), (4, 2), ("fsdp", "tensor"))
     model = prepare(tiny("llama"), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = Counts.now()
-    load_sharded(out / f"checkpoint-{STEPS}" / SHARDED_CHECKPOINT_DIR, model, optimizer)
+    load_sharded(out / f"checkpoint-{RUN_STEPS}" / SHARDED_CHECKPOINT_DIR, model, optimizer)
     assert (Counts.now() - before).gathers == 0
-    assert _host(model).keys() == final.keys()
-    for key, value in _host(model).items():
+    assert host_state(model).keys() == final.keys()
+    for key, value in host_state(model).items():
         assert torch.equal(value, final[key]), key
     saved = trainer.optimizer.optimizer.state
     names = dict(trainer.model.named_parameters())
@@ -143,19 +100,19 @@ def test_a_checkpoint_loads_onto_another_mesh_sharded_again(run, num_devices):
 def test_load_best_model_at_end_reads_the_best_checkpoints_shards(tmp_path, num_devices):
     mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
     rows = token_rows(32, 12)
-    args = arguments(tmp_path, max_steps=4, logging_steps=1, save_steps=2, eval_strategy="steps", eval_steps=2,
+    args = arguments(tmp_path, max_steps=2, logging_steps=1, save_steps=1, eval_strategy="steps", eval_steps=1,
                      load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
     # greater_is_better=True on a falling loss: the best is the first evaluation, not the last state.
-    trainer = _Counted(model=prepare(tiny("llama"), mesh), args=args, train_dataset=rows, eval_dataset=rows[:8])
-    trainer.windows = {}
+    trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=args, train_dataset=rows,
+                             eval_dataset=rows[:8])
     trainer.train()
-    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
     expected = prepare(tiny("llama"), mesh)
-    load_sharded(tmp_path / "checkpoint-2" / SHARDED_CHECKPOINT_DIR, expected)
-    got, best = _host(trainer.model), _host(expected)
+    load_sharded(tmp_path / "checkpoint-1" / SHARDED_CHECKPOINT_DIR, expected)
+    got, best = host_state(trainer.model), host_state(expected)
     assert got.keys() == best.keys()
     for key, value in best.items():
         assert torch.equal(got[key], value), key
-    step4 = prepare(tiny("llama"), mesh)
-    load_sharded(tmp_path / "checkpoint-4" / SHARDED_CHECKPOINT_DIR, step4)
-    assert not all(torch.equal(a, b) for a, b in zip(_host(step4).values(), best.values()))
+    last = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-2" / SHARDED_CHECKPOINT_DIR, last)
+    assert not all(torch.equal(a, b) for a, b in zip(host_state(last).values(), best.values()))
