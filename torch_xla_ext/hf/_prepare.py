@@ -10,7 +10,6 @@ so Hugging Face never reads a mask on the host.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 from .._masks import causal_mask, packed_segments
 from ..distributed import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ..distributed._state import is_fully_sharded, is_replicated
-from ._scan_stack import ScannedLayers, find_stack, scan_decoder_layers
+from ._scan_stack import ScannedLayers, argument_position, call_argument, find_stack, scan_decoder_layers
 
 __all__ = ["PreparedOptions", "prepare", "prepared_options"]
 
@@ -137,7 +136,7 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     if getattr(owner, "config", None) is None:
         raise ValueError(f"prepare: {type(owner).__name__}, which runs the decoder layers, has no config; prepare "
                          f"takes a transformers model")
-    if _argument_position(owner, "attention_mask") is None:
+    if argument_position(owner, "attention_mask") is None:
         raise ValueError(f"prepare: {type(owner).__name__}.forward takes no attention_mask argument; prepare builds "
                          f"the decoder's mask, so it needs one")
 
@@ -148,23 +147,12 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     if scan:
         scan_decoder_layers(model, stack, partition_fn=remat)
         config.use_cache = False
-    positions = {name: _argument_position(owner, name)
+    positions = {name: argument_position(owner, name)
                  for name in ("attention_mask", "input_ids", "inputs_embeds", "position_ids", "past_key_values")}
     owner.register_forward_pre_hook(_MaskOnDevice(positions), with_kwargs=True, prepend=True)
     setattr(model, _ATTRIBUTE, options)
     assert isinstance(model, FSDPModule)
     return model
-
-
-def _argument_position(module: torch.nn.Module, name: str) -> int | None:
-    """``name``'s position among ``module.forward``'s arguments: -1 keyword-only, None not an argument."""
-    params = [p for p in inspect.signature(module.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = [p.name for p in params]
-    if name in names:
-        return names.index(name)
-    keyword_only = {p.name for p in inspect.signature(module.forward).parameters.values() if p.kind == p.KEYWORD_ONLY}
-    return -1 if name in keyword_only else None
 
 
 class _MaskOnDevice:
@@ -178,12 +166,7 @@ class _MaskOnDevice:
         self._positions = positions  # each argument's position in the owner's forward (-1, None: keyword only)
 
     def _get(self, args: tuple, kwargs: dict, name: str) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        position = self._positions[name]
-        if position is not None and 0 <= position < len(args):
-            return args[position]
-        return None
+        return call_argument(args, kwargs, name, self._positions[name])
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._get(args, kwargs, "past_key_values") is not None:

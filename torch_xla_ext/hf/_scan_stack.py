@@ -51,7 +51,25 @@ from .._scan.homogeneous import allow_hooks
 from .._scan.layers import _scan_layers
 from ..remat import nothing_saveable
 
-__all__ = ["ScannedLayers", "find_stack", "scan_decoder_layers"]
+__all__ = ["ScannedLayers", "argument_position", "call_argument", "find_stack", "scan_decoder_layers"]
+
+
+def argument_position(module: torch.nn.Module, name: str) -> int | None:
+    """``name``'s position among ``module.forward``'s arguments: -1 keyword-only, None not an argument."""
+    params = list(inspect.signature(module.forward).parameters.values())  # bound method: no self
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if name in positional:
+        return positional.index(name)
+    return -1 if any(p.name == name and p.kind == p.KEYWORD_ONLY for p in params) else None
+
+
+def call_argument(args: tuple, kwargs: dict, name: str, position: int | None) -> Any:
+    """The argument ``name`` of a forward call (``position``: :func:`argument_position`), None if not passed."""
+    if name in kwargs:
+        return kwargs[name]
+    if position is not None and 0 <= position < len(args):
+        return args[position]
+    return None
 
 
 class _Options:
@@ -102,10 +120,8 @@ class _Enter:
         local = self.options.local
         local.depth = getattr(local, "depth", 0) + 1
         # The mask the model was given (its layers may receive one derived from it).
-        mask = kwargs.get("attention_mask")
-        if mask is None and self.mask_position is not None and self.mask_position < len(args):
-            mask = args[self.mask_position]
-        local.__dict__.setdefault("masks", []).append(mask)
+        local.__dict__.setdefault("masks", []).append(
+            call_argument(args, kwargs, "attention_mask", self.mask_position))
 
 
 class _Leave:
@@ -357,9 +373,8 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
         )
     owner = model.get_submodule(name.rpartition(".")[0])
     options = _Options(partition_fn, is_layer_pure, owner, model_window(model), group_size)
-    params = list(inspect.signature(owner.forward).parameters)  # bound method: no self
-    position = params.index("attention_mask") if "attention_mask" in params else None
-    pre = owner.register_forward_pre_hook(_Enter(options, position), with_kwargs=True)
+    pre = owner.register_forward_pre_hook(_Enter(options, argument_position(owner, "attention_mask")),
+                                          with_kwargs=True)
     post = owner.register_forward_hook(_Leave(options), always_call=True)
     options.hook_ids = (pre.id, post.id)
     stack.__class__ = ScannedLayers
