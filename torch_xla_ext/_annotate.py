@@ -96,8 +96,18 @@ def mark_sharding(t: torch.Tensor, mesh, spec: tuple) -> None:
     ``jax`` for the whole process (``torch.distributed.checkpoint``'s
     default writer then fails on ``torchax.device_module.current_stream``).
     The library never calls ``xs.mark_sharding``; it places tensors with this.
+
+    A placeholder (a tensor with a shape and no data) has nothing to shard:
+    its value is annotated in the graph instead, and the lowered program's
+    parameter gets the sharding (:mod:`torch_xla_ext._placeholders`).
     """
-    xlac()._xla_mark_sharding(t, _op_sharding(_mesh_text(mesh), str(tuple(spec))))
+    sharding = _op_sharding(_mesh_text(mesh), str(tuple(spec)))
+    if xlac()._is_placecholder(t):  # (torch_xla's spelling)
+        from ._placeholders import mark_placeholder
+
+        mark_placeholder(t, sharding)
+        return
+    xlac()._xla_mark_sharding(t, sharding)
 
 
 def _annotated_copy(t: torch.Tensor, sharding) -> torch.Tensor:
