@@ -160,6 +160,25 @@ def test_refusals_come_before_anything_is_lowered(device, mesh):
     assert torch.isfinite(loss.cpu())  # the pending graph is untouched
 
 
+def test_a_tensor_updated_in_place_reuses_its_buffer_when_donated(device, mesh):
+    """``donated``: the updated weight is an aliased output, as torch_xla's sync donates it; bad pairs refused."""
+    loss, w1, w2, x = _two_linear_step(device, mesh, width=256, batch=8)
+    before = w1.clone()  # a tensor over w1's device data as it is before the update
+    with torch.no_grad():
+        w1 -= 0.1 * w1.grad
+    kept = tpu.compile([loss], topology="v5e:2x4")
+    donated = tpu.compile([loss], topology="v5e:2x4", donated=[(before, w1)])
+    assert kept.alias_bytes == 0
+    assert donated.alias_bytes == 256 * 256 * 4 // 8  # w1's shard per chip
+    assert donated.output_bytes >= kept.output_bytes + 256 * 256 * 4 // 8  # w1 joined the outputs
+    with pytest.raises(ValueError, match="a buffer is reused only by its own shape"):
+        tpu.compile([loss], topology="v5e:2x4", donated=[(x, w1)])
+    with pytest.raises(ValueError, match="not device data the program reads"):
+        tpu.compile([loss], topology="v5e:2x4", donated=[(torch.zeros(256, 256, device=device), w1)])
+    with pytest.raises(TypeError, match=r"donated\[0\] must be a \(before, after\) pair"):
+        tpu.compile([loss], topology="v5e:2x4", donated=[w1])
+
+
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)
     _tpu_client.topology_devices.cache_clear()

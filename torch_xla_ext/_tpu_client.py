@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "computation_cost"]
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "computation_cost", "rewrite_entry"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
@@ -74,6 +74,51 @@ def compile_hlo(hlo: bytes, devices: tuple) -> Any:
     return devices[0].client.compile(module, jaxlib_ext.DeviceList(devices), options)
 
 
+def rewrite_entry(hlo: bytes, shardings: dict[int, str], aliases: dict[int, int],
+                  widen: tuple[int, int] | None = None) -> bytes:
+    """``hlo`` (a serialized HloModuleProto) with entry parameters sharded and outputs aliased to parameters.
+
+    ``shardings``: parameter number -> HLO sharding text, for parameters
+    that have none (a placeholder's: see ``_placeholders``). ``aliases``:
+    index in the entry's result tuple -> parameter number whose buffer that
+    result may reuse (torch_xla donates the buffer of a tensor a step
+    updates in place). Done on the module's text and parsed back by XLA's
+    own parser, which checks the result. ``widen=(n, m)``: the program was
+    lowered for a 1-D mesh of ``n`` devices and is annotated for ``m``
+    (``_widen.widen_shardings``).
+    """
+    import re
+
+    _, jaxlib_ext, xla_client = _jax()
+    lines = xla_client.XlaComputation(hlo).as_hlo_text().splitlines()
+    entry = next(n for n, line in enumerate(lines) if line.startswith("ENTRY "))
+    pending = dict(shardings)
+    for n in range(entry + 1, len(lines)):
+        if lines[n].startswith("}"):
+            break
+        found = re.search(r" parameter\((\d+)\)", lines[n])
+        if found is None or int(found.group(1)) not in pending:
+            continue
+        if "sharding=" in lines[n]:
+            raise ValueError(f"rewrite_entry: parameter {found.group(1)} already has a sharding")
+        text = pending.pop(int(found.group(1)))
+        lines[n] = lines[n][:found.end()] + f", sharding={text}" + lines[n][found.end():]
+    if pending:
+        raise ValueError(f"rewrite_entry: no entry parameter numbered {sorted(pending)}")
+    if aliases:
+        if "input_output_alias=" in lines[0]:
+            raise ValueError("rewrite_entry: the module aliases outputs already")
+        pairs = ", ".join(f"{{{out}}}: ({param}, {{}}, may-alias)" for out, param in sorted(aliases.items()))
+        head = re.match(r"HloModule [^ ,]+", lines[0])
+        lines[0] = lines[0][:head.end()] + f", input_output_alias={{ {pairs} }}" + lines[0][head.end():]
+    text = "\n".join(lines)
+    if widen is not None:
+        from ._widen import widen_shardings
+
+        text = widen_shardings(text, *widen)
+    return jaxlib_ext.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+
+
 def computation_cost(module_text: str, computation: str | None = None) -> dict[str, float]:
     """XLA's cost analysis (flops, bytes accessed, ...) of one computation of an optimized module's text.
 
@@ -91,8 +136,9 @@ def computation_cost(module_text: str, computation: str | None = None) -> dict[s
         found = False
         for n, line in enumerate(lines):
             if line.startswith("HloModule "):
-                # The entry's layout no longer describes the entry.
-                lines[n] = re.sub(r", entry_computation_layout=\{.*?\}(?=, [a-z_]+=|$)", "", line)
+                # The entry's layout and aliases no longer describe the entry.
+                lines[n] = re.sub(r", (entry_computation_layout|input_output_alias)=\{.*?\}(?=, [a-z_]+=|$)", "",
+                                  line)
             elif line.startswith("ENTRY "):
                 lines[n] = line[len("ENTRY "):]
             elif line.startswith(f"%{computation} ("):

@@ -31,7 +31,8 @@ import torch
 
 from ._format import format_bytes
 from ._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
-from ._tpu_client import TpuUnavailable, compile_hlo, computation_cost, topology_devices
+from ._placeholders import parameter_shardings
+from ._tpu_client import TpuUnavailable, compile_hlo, computation_cost, rewrite_entry, topology_devices
 from .hlo import HloModule, read_hlo
 from .lowering import LoweringContext
 from .transfer_guard import no_host_transfers
@@ -138,18 +139,48 @@ def lowering() -> Iterator[None]:
         yield
 
 
-def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> CompiledForTpu:  # noqa: A001
+def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str, *,  # noqa: A001
+            donated: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> CompiledForTpu:
     """Compile the pending graph of ``outputs`` for ``topology`` with libtpu's compile-only client.
 
+    ``donated``: ``(before, after)`` pairs of a tensor the step updates in
+    place: ``before`` a tensor over its old device data (``t.clone()`` taken
+    before the step shares it), ``after`` the tensor itself. ``after``'s
+    result may reuse ``before``'s buffer, as torch_xla's ``sync`` donates the
+    buffer of a tensor updated in place; ``after`` is added to the outputs.
+    Without it a step's parameters and optimizer state count twice, as
+    arguments and as outputs. Parameters over placeholders (tensors with a
+    shape and no data, :mod:`torch_xla_ext.tpu_fit`) get the sharding they
+    were marked with.
+
     Raises ValueError for an unknown topology, a program partitioned over
-    another number of devices than the topology's chips, or one built with
-    the XLA:CPU lowering choices (build it inside :func:`lowering`), and
-    :class:`TpuUnavailable` (an ImportError) without jax and libtpu
-    (``pip install -e '.[tpu]'``), each before anything is lowered.
+    another number of devices than the topology's chips, one built with
+    the XLA:CPU lowering choices (build it inside :func:`lowering`), or a
+    donated pair whose shapes or dtypes differ or whose ``before`` the
+    program does not read, and :class:`TpuUnavailable` (an ImportError)
+    without jax and libtpu (``pip install -e '.[tpu]'``), each before
+    anything is compiled.
     """
+    return _compile(outputs, topology, donated, widen=False)
+
+
+def _compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
+             donated: Sequence[tuple[torch.Tensor, torch.Tensor]], widen: bool) -> CompiledForTpu:
+    """:func:`compile`. ``widen``: a program lowered on a 1-D mesh of a divisor of the topology's chips is
+    annotated for all of them (:mod:`torch_xla_ext._widen`: how ``tpu_fit`` lowers a slice of 128 chips
+    or more)."""
     tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
     if not tensors or not all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
         raise TypeError("tpu.compile: outputs must be an XLA tensor or a non-empty sequence of XLA tensors")
+    pairs = list(donated)
+    for k, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple) and len(pair) == 2
+                and all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in pair)):
+            raise TypeError(f"tpu.compile: donated[{k}] must be a (before, after) pair of XLA tensors")
+        before, after = pair
+        if before.shape != after.shape or before.dtype != after.dtype:
+            raise ValueError(f"tpu.compile: donated[{k}] pairs {tuple(before.shape)} {before.dtype} with "
+                             f"{tuple(after.shape)} {after.dtype}; a buffer is reused only by its own shape")
     if not isinstance(topology, str) or not re.fullmatch(r"v\d+[a-z]*:\d+(x\d+)*", topology):
         raise ValueError(f"tpu.compile: topology must name a TPU slice like 'v5p:2x2x2' or 'v5e:2x4', "
                          f"got {topology!r}")
@@ -157,7 +188,11 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> Co
     import torch_xla.runtime as xr
 
     partitions = xr.global_runtime_device_count()
-    if partitions != len(devices):
+    widened = (partitions, len(devices)) if widen and partitions < len(devices) else None
+    if widened is not None and len(devices) % partitions:
+        raise ValueError(f"tpu.compile: a program lowered for {partitions} devices cannot be widened to "
+                         f"{topology}'s {len(devices)} chips: {partitions} does not divide {len(devices)}")
+    if partitions != len(devices) and widened is None:
         raise ValueError(
             f"tpu.compile: the program is partitioned over {partitions} devices but {topology} has "
             f"{len(devices)} chips; build it on a mesh of {len(devices)} devices (on this machine: "
@@ -167,11 +202,28 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str) -> Co
     hbm = HBM_BYTES.get(kind)
     if hbm is None:
         raise ValueError(f"tpu.compile: no HBM capacity known for {kind!r} ({topology}); known: {sorted(HBM_BYTES)}")
+    positions = {id(t): n for n, t in enumerate(tensors)}
+    for _, after in pairs:
+        if id(after) not in positions:
+            positions[id(after)] = len(tensors)
+            tensors.append(after)
     with no_host_transfers():
         ctx = LoweringContext("tpu_compile")
         ctx.build(tensors)
         hlo = ctx.hlo()
     lowered = ctx.module  # the reader's view of the same bytes, parsed once
+    shardings = parameter_shardings(ctx)
+    aliases: dict[int, int] = {}
+    if pairs:
+        numbers = ctx.tensor_parameter_ids([before for before, _ in pairs])
+        for k, ((_, after), number) in enumerate(zip(pairs, numbers)):
+            if number < 0:
+                raise ValueError(f"tpu.compile: donated[{k}]'s before tensor is not device data the program "
+                                 f"reads (take it with t.clone() before the step updates t)")
+            aliases[positions[id(after)]] = number
+    if shardings or aliases or widened:
+        hlo = rewrite_entry(hlo, shardings, aliases, widened)
+        lowered = read_hlo(hlo)
     cpu_only = sorted({c.name for c in lowered.computations if CPU_CODEGEN_MARK in c.name})
     if cpu_only:
         raise ValueError(
