@@ -1,10 +1,12 @@
-"""Command line: ``python -m torch_xla_ext {demo,audit}``.
+"""Command line: ``python -m torch_xla_ext {demo,audit,tpu-fit}``.
 
 ``demo``   lowers a sharded MLP on an SPMD mesh, prints the HLO parameter table
            read by the C++ reader, and compares torch_xla's host parameter
            mapping with the device mapping (time, bytes moved, gathers); then
            runs ``scan_layers`` and a ``fully_shard`` training loop.
 ``audit``  prints the same report for any saved ``xla.HloModuleProto`` file.
+``tpu-fit`` compiles a transformers model's training step for a TPU slice from
+           shapes and prints whether it fits (:mod:`torch_xla_ext.tpu_fit`).
 
 This module only parses commands; the demo lives in :mod:`torch_xla_ext._demo`.
 Nothing here imports ``torch_xla``: the demo chooses the PJRT device first, and
@@ -63,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     audit = sub.add_parser("audit", help="report on a saved serialized HloModuleProto")
     audit.add_argument("file", help="path to the .pb file")
     audit.set_defaults(run=_audit)
+    from ._tpu_fit_cli import add_parser
+
+    add_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,127 @@
+"""tpu_fit: a training step lowered from shapes is the step lowered from real tensors, for the TPU compiler.
+
+The shape-only step (placeholders for every parameter, moment and token)
+must compile to the same per-chip figures as the same step over real
+tensors, and a step lowered for 8 devices and widened to a 16-chip slice to
+those of the step lowered for 16: that is what makes a 70B figure from this
+machine the real job's figure. Each lowering runs in a child process (a
+device count per process; placeholders must never be executed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
+# Every figure the TPU compiler gives per chip, compile time aside.
+FIGURES = ("peak_bytes", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
+           "flops", "bytes_accessed", "collectives", "trip_counts", "fits")
+
+
+def _steps(devices: int, calls: list[dict]) -> list[dict]:
+    """Run ``compile_step(**call)`` for each call in one child process with ``devices`` CPU devices."""
+    source = textwrap.dedent(f"""
+        import dataclasses, json, os, sys
+        from torch_xla_ext.tpu_fit import compile_step
+        for call in json.loads({json.dumps(json.dumps(calls))}):
+            print(json.dumps(dataclasses.asdict(compile_step(**call))), flush=True)
+        os._exit(0)
+    """)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tpu_fit") / "config.json"
+    path.write_text(json.dumps(SMALL))
+    return str(path)
+
+
+def _call(config, topology, path, from_shapes=True, batch=16, seq=32):
+    return {"config": config, "topology": topology, "batch": batch, "seq": seq, "path": path,
+            "from_shapes": from_shapes}
+
+
+def test_shape_only_step_compiles_to_the_real_steps_figures(config_file):
+    """Loop and scan: placeholders give the real tensors' figures exactly; widening 8 -> 16 gives the 16's."""
+    shapes = _steps(8, [_call(config_file, "v5e:2x4", "loop"), _call(config_file, "v5e:2x4", "scan"),
+                        _call(config_file, "v5p:2x2x4", "scan")])
+    real = _steps(8, [_call(config_file, "v5e:2x4", "loop", from_shapes=False),
+                      _call(config_file, "v5e:2x4", "scan", from_shapes=False)])
+    (native,) = _steps(16, [_call(config_file, "v5p:2x2x4", "scan")])
+    for got, want in ((shapes[0], real[0]), (shapes[1], real[1]), (shapes[2], native)):
+        assert got["path"] == want["path"]
+        assert {k: got["compiled"][k] for k in FIGURES} == {k: want["compiled"][k] for k in FIGURES}
+    assert (shapes[2]["lowered_on"], shapes[2]["chips"], native["lowered_on"]) == (8, 16, 16)
+
+    # Hand count: every parameter and both AdamW moments (fp32, sharded evenly) are donated, that is aliased;
+    # the TPU's tiled layouts may pad a small shard, never shrink one. The tokens are not donated.
+    n = shapes[0]["parameters"]
+    for report in shapes:
+        compiled = report["compiled"]
+        assert compiled["alias_bytes"] >= 3 * 4 * n // report["chips"]
+        assert compiled["argument_bytes"] >= compiled["alias_bytes"] + 8 * 16 * 32 // report["chips"]
+        assert compiled["trip_counts"] == ([] if report["path"] == "loop" else [2, 2])
+        assert compiled["fits"] and report["host_rss_bytes"] > 0
+
+
+def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
+    png = tmp_path / "fit.png"
+    proc = subprocess.run([sys.executable, "-m", "torch_xla_ext", "tpu-fit", "--config", config_file,
+                           "--topology", "v5e:2x2", "--batch", "4", "--seq", "32", "--paths", "scan+nothing_saveable",
+                           "--png", str(png)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("v5e:2x2: 4 chips x 16.0 GiB HBM; batch 4 x 32 tokens;")
+    row = next(line for line in lines if line.startswith("scan+nothing_saveable"))
+    assert row.split()[1] == "yes" and "reduce-scatter" in row
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert proc.stderr.strip() == ""  # no log spam
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--topology", "v5q:9x9"], "does not know the topology"),
+    (["--config", "no-such-model-type"], "ships no config for 'no-such-model-type'"),
+    (["--paths", "scan+flash"], "unknown path 'scan+flash'"),
+    (["--batch", "0"], "batch must be a positive int"),
+])
+def test_cli_refuses_bad_arguments_before_compiling(config_file, args, message, capsys, monkeypatch):
+    from torch_xla_ext import tpu_fit
+    from torch_xla_ext.__main__ import main
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child started")
+
+    monkeypatch.setattr(tpu_fit, "_run_child", no_child)
+    base = {"--config": config_file, "--topology": "v5e:2x2", "--batch": "4", "--seq": "32"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    assert main(["tpu-fit", *[word for pair in base.items() for word in pair]]) == 2
+    out, err = capsys.readouterr()
+    assert message in err and out == ""
+
+
+def test_a_placement_that_depends_on_the_device_count_is_refused():
+    """A slice of 128+ chips is lowered on fewer devices: a parameter placed otherwise there is refused."""
+    import torch
+
+    from torch_xla_ext.distributed import fully_shard
+    from torch_xla_ext.tpu_fit import _check_placements
+
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)))
+    _check_placements(model, 8, 16)  # 16 divides over 8 and over 16: dim 0 both times
+    with pytest.raises(ValueError, match=r"0\.weight \(16, 16\) is sharded on dim 0 over 8 devices but would "
+                                         r"be replicated over 32"):
+        _check_placements(model, 8, 32)

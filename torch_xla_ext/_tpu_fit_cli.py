@@ -1,0 +1,124 @@
+"""``python -m torch_xla_ext tpu-fit``: :func:`torch_xla_ext.tpu_fit.fit` from the command line, a table and a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ._format import format_bytes
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``tpu-fit`` on the command line's subcommands."""
+    from .tpu_fit import DEFAULT_PATHS, PATHS
+
+    p = sub.add_parser(
+        "tpu-fit", help="does a transformers model's training step fit a TPU slice (compiled here, from shapes)",
+        description="Lower one training step (forward, backward, AdamW) of a transformers model from shapes, "
+                    "fully sharded over the slice's chips, compile it for the slice with libtpu's compile-only "
+                    "client and print the TPU compiler's per-chip memory figures. No TPU and no weights needed; "
+                    "no step time is measured.")
+    p.add_argument("--config", required=True,
+                   help="a model type transformers ships a config for ('llama') or a config.json file")
+    p.add_argument("--topology", required=True, help="the TPU slice, e.g. v5p:4x4x4 (64 chips) or v5e:2x4")
+    p.add_argument("--batch", type=int, required=True, help="sequences per step, the whole slice's")
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                   help=f"comma-separated, of: {', '.join(PATHS)} (default: %(default)s)")
+    p.add_argument("--png", default=None, help="write a bar chart of each path's HBM per chip to this file")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per path (default: %(default)s)")
+    p.add_argument("--max-host-gb", type=float, default=None,
+                   help="stop a path whose process holds more host memory (default: 3/4 of this machine's)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tpu-fit``; 0 when every path compiled (fitting or not), 1 when one failed, 2 for bad arguments."""
+    import os
+
+    from ._tpu_client import TpuUnavailable
+    from .tpu_fit import fit
+
+    # This process only reads the config and the topology; the children lower and compile. transformers
+    # imports torch_xla where it is installed, which would warn that it picks the CPU itself.
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    limit = None if args.max_host_gb is None else int(args.max_host_gb * 2**30)
+    try:
+        reports = fit(args.config, args.topology, batch=args.batch, seq=args.seq, paths=paths,
+                      timeout=args.timeout, max_host_bytes=limit)
+    except (ValueError, TypeError, TpuUnavailable) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(report_table(reports))
+    if args.png:
+        write_png(reports, args.png)
+        print(f"wrote {args.png}")
+    return 0 if all(r.error is None for r in reports) else 1
+
+
+def report_table(reports: Sequence) -> str:
+    """The reports as a table with a heading line: what was measured, and what was not."""
+    first = reports[0]
+    hbm = next((r.compiled["hbm_bytes"] for r in reports if r.compiled), None)
+    lines = [f"{first.topology}: {first.chips} chips"
+             + (f" x {format_bytes(hbm)} HBM" if hbm else "")
+             + f"; batch {first.batch} x {first.seq} tokens; {_count(max(r.parameters for r in reports))} parameters"
+             + (f"; lowered on {first.lowered_on} virtual devices" if first.lowered_on != first.chips else ""),
+             "TPU compiler's figures per chip (AdamW step, parameters and moments in fp32, donated); "
+             "no step time, no host memory of the real job"]
+    head = ("path", "fits", "needs/chip", "of HBM", "headroom", "peak", "compile s", "host RSS", "collectives")
+    rows = []
+    for r in reports:
+        c = r.compiled
+        if c is None or c["error"] is not None:
+            why = r.error if c is None else c["error"]
+            rows.append((r.path, "-" if c is None else "NO", why, "", "", "", "", "", ""))
+            continue
+        needs = r.required_bytes
+        colls = ", ".join(f"{kind} {count}x {format_bytes(size)}" for kind, (count, size) in sorted(c["collectives"].items()))
+        rows.append((r.path, "yes" if r.fits else "NO", format_bytes(needs), f"{100 * needs / c['hbm_bytes']:.1f}%",
+                     format_bytes(c["hbm_bytes"] - needs), format_bytes(c["peak_bytes"]),
+                     f"{c['compile_seconds']:.0f}", format_bytes(r.host_rss_bytes), colls))
+    widths = [max(len(str(row[k])) for row in [head, *rows]) for k in range(len(head) - 1)]
+    for row in [head, *rows]:
+        cells = [str(v).ljust(w) for v, w in zip(row, widths)] + [str(row[-1])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def write_png(reports: Sequence, path: str) -> None:
+    """A bar per path: HBM needed per chip, against the chip's HBM (a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = reports[0]
+    names = [r.path for r in reports]
+    needs = [(r.required_bytes or 0) / 2**30 for r in reports]
+    hbm = next((r.compiled["hbm_bytes"] / 2**30 for r in reports if r.compiled), None)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(reports), 4))
+    colors = ["tab:green" if r.fits else ("tab:gray" if r.required_bytes is None else "tab:red") for r in reports]
+    ax.bar(names, needs, color=colors)
+    for k, (r, v) in enumerate(zip(reports, needs)):
+        ax.text(k, v, "failed" if r.required_bytes is None else format_bytes(r.required_bytes), ha="center",
+                va="bottom", fontsize=8)
+    if hbm is not None:
+        ax.axhline(hbm, color="black", linestyle="--", linewidth=1)
+        ax.text(len(reports) - 0.5, hbm, f"HBM {hbm:.0f} GiB", ha="right", va="bottom", fontsize=8)
+    ax.set_ylabel("GiB per chip (TPU compiler)")
+    ax.set_title(f"{_count(max(r.parameters for r in reports))} parameters on {first.topology}, "
+                 f"batch {first.batch} x {first.seq}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
