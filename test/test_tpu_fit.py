@@ -125,3 +125,27 @@ def test_a_placement_that_depends_on_the_device_count_is_refused():
     with pytest.raises(ValueError, match=r"0\.weight \(16, 16\) is sharded on dim 0 over 8 devices but would "
                                          r"be replicated over 32"):
         _check_placements(model, 8, 32)
+
+
+def test_the_table_shows_a_refused_step_by_what_the_compiler_says_it_needs_and_a_stopped_one_by_why():
+    from torch_xla_ext._tpu_fit_cli import report_table
+    from torch_xla_ext.tpu_fit import FitReport
+
+    gib = 1 << 30
+    fields = dict(topology="v5p:8x8x4", device_kind="TPU v5", chips=256, hbm_bytes=95 * gib, fits=False,
+                  peak_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+                  generated_code_bytes=0, flops=None, bytes_accessed=None, while_loops=0, compile_seconds=140.0,
+                  collectives={}, trip_counts=[],
+                  error="RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                        "hbm. Used 223.23G of 95.74G hbm. Exceeded hbm capacity by 127.49G.")
+    refused = FitReport("scan", "v5p:8x8x4", 256, 256, 2048, fields, 3 * gib, 7.0, 70_553_706_496, 64)
+    stopped = FitReport("loop", "v5p:8x8x4", 256, 256, 2048, None, 0, 0.0, 0, 64,
+                        error="stopped at 16.0 GiB of host memory, 412 s in")
+    assert refused.required_bytes == int(223.23 * gib) and not refused.fits and not stopped.fits
+    lines = report_table([refused, stopped]).splitlines()
+    assert lines[0] == ("v5p:8x8x4: 256 chips x 95.0 GiB HBM; batch 256 x 2048 tokens; 70.55B parameters; "
+                        "lowered on 64 virtual devices")
+    scan_row, loop_row = lines[3].split(), lines[4].split()
+    assert scan_row[:6] == ["scan", "NO", "223.2", "GiB", "235.0%", "-128.2"]
+    assert lines[3].endswith("Exceeded hbm capacity by 127.49G.")
+    assert loop_row[:2] == ["loop", "-"] and lines[4].endswith("stopped at 16.0 GiB of host memory, 412 s in")

@@ -71,15 +71,21 @@ def report_table(reports: Sequence) -> str:
              + (f"; lowered on {first.lowered_on} virtual devices" if first.lowered_on != first.chips else ""),
              "TPU compiler's figures per chip (AdamW step, parameters and moments in fp32, donated); "
              "no step time, no host memory of the real job"]
-    head = ("path", "fits", "needs/chip", "of HBM", "headroom", "peak", "compile s", "host RSS", "collectives")
+    head = ("path", "fits", "needs/chip", "of HBM", "headroom", "peak", "compile s", "host RSS",
+            "collectives, or why not compiled")
     rows = []
     for r in reports:
         c = r.compiled
-        if c is None or c["error"] is not None:
-            why = r.error if c is None else c["error"]
-            rows.append((r.path, "-" if c is None else "NO", why, "", "", "", "", "", ""))
+        if c is None:
+            rows.append((r.path, "-", "", "", "", "", "", "", r.error))
             continue
         needs = r.required_bytes
+        if c["error"] is not None:  # the compiler's refusal: over HBM by what it says
+            rows.append((r.path, "NO", "" if needs is None else format_bytes(needs),
+                         "" if needs is None else f"{100 * needs / c['hbm_bytes']:.1f}%",
+                         "" if needs is None else format_bytes(c["hbm_bytes"] - needs), "",
+                         f"{c['compile_seconds']:.0f}", format_bytes(r.host_rss_bytes), c["error"]))
+            continue
         colls = ", ".join(f"{kind} {count}x {format_bytes(size)}" for kind, (count, size) in sorted(c["collectives"].items()))
         rows.append((r.path, "yes" if r.fits else "NO", format_bytes(needs), f"{100 * needs / c['hbm_bytes']:.1f}%",
                      format_bytes(c["hbm_bytes"] - needs), format_bytes(c["peak_bytes"]),
@@ -110,7 +116,7 @@ def write_png(reports: Sequence, path: str) -> None:
     colors = ["tab:green" if r.fits else ("tab:gray" if r.required_bytes is None else "tab:red") for r in reports]
     ax.bar(names, needs, color=colors)
     for k, (r, v) in enumerate(zip(reports, needs)):
-        ax.text(k, v, "failed" if r.required_bytes is None else format_bytes(r.required_bytes), ha="center",
+        ax.text(k, v, "not compiled" if r.required_bytes is None else format_bytes(r.required_bytes), ha="center",
                 va="bottom", fontsize=8)
     if hbm is not None:
         ax.axhline(hbm, color="black", linestyle="--", linewidth=1)

@@ -78,12 +78,27 @@ class FitReport:
 
     @property
     def required_bytes(self) -> int | None:
-        """What the step needs per chip (``CompiledForTpu.required_bytes``), None when it did not compile."""
+        """What the step needs per chip (``CompiledForTpu.required_bytes``; for a step the compiler refused
+        for HBM, the bytes its message says it used), None when it did not compile."""
         c = self.compiled
-        if c is None or c["error"] is not None:
+        if c is None:
             return None
+        if c["error"] is not None:
+            return _exhausted_bytes(c["error"])
         held = c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + c["temp_bytes"] + c["generated_code_bytes"]
         return max(c["peak_bytes"], held)
+
+
+def _exhausted_bytes(message: str) -> int | None:
+    """The bytes the TPU compiler's RESOURCE_EXHAUSTED message says the program needs ("Used 223.23G of
+    95.74G hbm", or "(16.00G) exceeds available HBM"; XLA's units are powers of 1024), or None."""
+    import re
+
+    found = (re.search(r"Used ([\d.]+)([KMGT]?)i?B? of ", message)
+             or re.search(r"\(([\d.]+)([KMGT]?)i?B?\) exceeds available", message))
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
 
 
 def parse_path(path: str) -> tuple[bool, str | None, bool]:
@@ -198,12 +213,13 @@ def _run_child(request: str, env: dict, timeout: float, limit: int) -> tuple[int
         proc.stdin.write(request)
         proc.stdin.close()
         stopped = None
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
         while proc.poll() is None:
-            if time.monotonic() > deadline:
+            if time.monotonic() - started > timeout:
                 stopped = f"stopped after {timeout:.0f} s"
             elif _rss_bytes(proc.pid) > limit:
-                stopped = f"stopped at {limit / 2**30:.1f} GiB of host memory"
+                stopped = (f"stopped at {limit / 2**30:.1f} GiB of host memory, "
+                           f"{time.monotonic() - started:.0f} s in")
             if stopped is not None:
                 proc.kill()
                 proc.wait()
