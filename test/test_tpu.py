@@ -175,6 +175,8 @@ def test_a_tensor_updated_in_place_reuses_its_buffer_when_donated(device, mesh):
         tpu.compile([loss], topology="v5e:2x4", donated=[(x, w1)])
     with pytest.raises(ValueError, match="not device data the program reads"):
         tpu.compile([loss], topology="v5e:2x4", donated=[(torch.zeros(256, 256, device=device), w1)])
+    with pytest.raises(ValueError, match="a buffer or a result a second time"):
+        tpu.compile([loss], topology="v5e:2x4", donated=[(before, w1), (before, w1)])
     with pytest.raises(TypeError, match=r"donated\[0\] must be a \(before, after\) pair"):
         tpu.compile([loss], topology="v5e:2x4", donated=[w1])
 

@@ -149,3 +149,17 @@ def test_the_table_shows_a_refused_step_by_what_the_compiler_says_it_needs_and_a
     assert scan_row[:6] == ["scan", "NO", "223.2", "GiB", "235.0%", "-128.2"]
     assert lines[3].endswith("Exceeded hbm capacity by 127.49G.")
     assert loop_row[:2] == ["loop", "-"] and lines[4].endswith("stopped at 16.0 GiB of host memory, 412 s in")
+
+
+def test_a_config_is_a_model_type_a_json_file_or_a_folder(tmp_path, config_file):
+    from torch_xla_ext.tpu_fit import load_config
+
+    assert load_config("llama").model_type == "llama"
+    assert load_config(config_file).hidden_size == SMALL["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    assert load_config(tmp_path).num_hidden_layers == SMALL["num_hidden_layers"]
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="not a transformers config.json"):
+        load_config(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="cannot read the config file"):
+        load_config(str(tmp_path / "missing.json"))

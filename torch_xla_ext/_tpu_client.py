@@ -90,7 +90,10 @@ def rewrite_entry(hlo: bytes, shardings: dict[int, str], aliases: dict[int, int]
     import re
 
     _, jaxlib_ext, xla_client = _jax()
-    lines = xla_client.XlaComputation(hlo).as_hlo_text().splitlines()
+    text = xla_client.XlaComputation(hlo).as_hlo_text()
+    if "{...}" in text:  # XLA's printer elides large constants: parsed back, they would not be the program's
+        raise ValueError("rewrite_entry: the module's text elides a large constant; it cannot be rewritten")
+    lines = text.splitlines()
     entry = next(n for n, line in enumerate(lines) if line.startswith("ENTRY "))
     pending = dict(shardings)
     for n in range(entry + 1, len(lines)):

@@ -220,6 +220,9 @@ def _compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
             if number < 0:
                 raise ValueError(f"tpu.compile: donated[{k}]'s before tensor is not device data the program "
                                  f"reads (take it with t.clone() before the step updates t)")
+            if number in aliases.values() or positions[id(after)] in aliases:
+                raise ValueError(f"tpu.compile: donated[{k}] gives a buffer or a result a second time; each "
+                                 f"buffer is reused by one result")
             aliases[positions[id(after)]] = number
     if shardings or aliases or widened:
         hlo = rewrite_entry(hlo, shardings, aliases, widened)

@@ -110,8 +110,8 @@ def parse_path(path: str) -> tuple[bool, str | None, bool]:
 
 
 def load_config(config: Any) -> Any:
-    """A transformers config from a config (or its ``to_dict()``), a model type transformers ships (``"llama"``)
-    or a JSON file.
+    """A transformers config from a config (or its ``to_dict()``), a model type transformers ships (``"llama"``),
+    a JSON file or a folder holding ``config.json``.
 
     The JSON file is a ``config.json`` as on the Hub: its ``model_type``
     picks the class, the other keys override that class's defaults.
@@ -128,6 +128,8 @@ def load_config(config: Any) -> Any:
         raise TypeError(f"tpu_fit: config must be a transformers config, a model type or a JSON file, got "
                         f"{type(config).__name__}")
     text = os.fspath(config)
+    if os.path.isdir(text):  # a downloaded model's folder
+        text = os.path.join(text, "config.json")
     if text.endswith(".json") or os.path.sep in text:
         try:
             with open(text) as f:
