@@ -51,6 +51,9 @@ def test_demo_runs_on_default_cpu_devices():
     tpu_section = out.split("TPU fit check", 1)[1]
     assert re.search(r"^topology\s+v5p:2x2x2 \(8 x TPU v5", tpu_section, re.M), tpu_section
     assert re.search(r"^fits\s+yes$", tpu_section, re.M) and "peak per chip" in tpu_section, tpu_section
+    # The updated parameters reuse their buffers, as the job's sync donates them.
+    aliased = re.search(r"^outputs\s+.*\((.*) aliased\)$", tpu_section, re.M)
+    assert aliased and aliased.group(1) != "0 B", tpu_section
 
 
 def test_cli_hides_xla_warnings_unless_the_user_set_a_level(monkeypatch):

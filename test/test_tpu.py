@@ -181,6 +181,22 @@ def test_a_tensor_updated_in_place_reuses_its_buffer_when_donated(device, mesh):
         tpu.compile([loss], topology="v5e:2x4", donated=[w1])
 
 
+def test_rewriting_the_entry_keeps_every_constant(device):
+    """XLA's default printer writes a 64-element constant as "{...}", which its parser reads back as another
+    value; the entry rewrite (shardings, aliases) must keep the program's constants."""
+    x = torch.ones(64, dtype=torch.int64).to(device)  # device data: a parameter
+    y = x + torch.arange(64, device=device)  # a constant of the program
+    ctx = txe.LoweringContext("constants")
+    ctx.build([y])
+    _, jaxlib_ext, xla_client = _tpu_client._jax()
+    options = jaxlib_ext.HloPrintOptions()
+    options.print_large_constants = True
+    rewritten = _tpu_client.rewrite_entry(ctx.hlo(), {}, {0: ctx.tensor_parameter_id(x)})
+    text = xla_client.XlaComputation(rewritten).get_hlo_module().to_string(options)
+    assert "constant({" + ", ".join(str(n) for n in range(64)) + "})" in text
+    assert "input_output_alias={ {0}: (" in text
+
+
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)
     _tpu_client.topology_devices.cache_clear()

@@ -90,9 +90,12 @@ def rewrite_entry(hlo: bytes, shardings: dict[int, str], aliases: dict[int, int]
     import re
 
     _, jaxlib_ext, xla_client = _jax()
-    text = xla_client.XlaComputation(hlo).as_hlo_text()
-    if "{...}" in text:  # XLA's printer elides large constants: parsed back, they would not be the program's
-        raise ValueError("rewrite_entry: the module's text elides a large constant; it cannot be rewritten")
+    options = jaxlib_ext.HloPrintOptions()
+    options.print_large_constants = True  # by default XLA prints a constant of more than a few elements as
+    # "{...}", which its parser reads back as another value: the program would not be the one lowered
+    text = xla_client.XlaComputation(hlo).get_hlo_module().to_string(options)
+    if "{...}" in text:
+        raise ValueError("rewrite_entry: the module's text elides a constant; it cannot be rewritten")
     lines = text.splitlines()
     entry = next(n for n, line in enumerate(lines) if line.startswith("ENTRY "))
     pending = dict(shardings)
