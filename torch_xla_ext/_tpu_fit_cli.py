@@ -67,7 +67,8 @@ def report_table(reports: Sequence) -> str:
     hbm = next((r.compiled["hbm_bytes"] for r in reports if r.compiled), None)
     lines = [f"{first.topology}: {first.chips} chips"
              + (f" x {format_bytes(hbm)} HBM" if hbm else "")
-             + f"; batch {first.batch} x {first.seq} tokens; {_count(max(r.parameters for r in reports))} parameters"
+             + f"; batch {first.batch} x {first.seq} tokens"
+             + (f"; {_count(count)} parameters" if (count := max(r.parameters for r in reports)) else "")
              + (f"; lowered on {first.lowered_on} virtual devices" if first.lowered_on != first.chips else ""),
              "TPU compiler's figures per chip (AdamW step, parameters and moments in fp32, donated); "
              "no step time, no host memory of the real job"]
