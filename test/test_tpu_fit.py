@@ -94,6 +94,7 @@ def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--topology", "v5q:9x9"], "does not know the topology"),
     (["--config", "no-such-model-type"], "ships no config for 'no-such-model-type'"),
+    (["--config", "vit"], "has no causal language model class"),
     (["--paths", "scan+flash"], "unknown path 'scan+flash'"),
     (["--batch", "0"], "batch must be a positive int"),
 ])

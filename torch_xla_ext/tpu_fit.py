@@ -171,6 +171,11 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"tpu_fit: {name} must be a positive int, got {value!r}")
     cfg = load_config(config)
+    from transformers import AutoModelForCausalLM
+
+    if type(cfg) not in AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"tpu_fit: {type(cfg).__name__} ({cfg.model_type!r}) has no causal language model class "
+                         f"in transformers; tpu-fit trains AutoModelForCausalLM models")
     chips = len(topology_devices(topology))
     limit = max_host_bytes if max_host_bytes is not None else _machine_bytes() * 3 // 4
     reports = []
