@@ -35,3 +35,9 @@ def test_anything_but_a_1d_mesh_is_refused(sharding, why):
 def test_a_collective_written_into_the_program_is_refused():
     with pytest.raises(ValueError, match="'replica_groups'"):
         widen_shardings("%a = f32[8] all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add", 8, 32)
+
+
+def test_words_in_the_metadata_are_not_taken_for_shardings():
+    text = ('%p = f32[64] parameter(0), sharding={devices=[8]<=[8]}, '
+            'metadata={op_name="manual_maximal_layer" source_file="/replica_groups/x.py"}')
+    assert widen_shardings(text, 8, 16).startswith("%p = f32[64] parameter(0), sharding={devices=[16]<=[16]}")

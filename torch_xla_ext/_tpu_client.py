@@ -107,8 +107,8 @@ def rewrite_entry(hlo: bytes, shardings: dict[int, str], aliases: dict[int, int]
             continue
         if "sharding=" in lines[n]:
             raise ValueError(f"rewrite_entry: parameter {found.group(1)} already has a sharding")
-        text = pending.pop(int(found.group(1)))
-        lines[n] = lines[n][:found.end()] + f", sharding={text}" + lines[n][found.end():]
+        spec = pending.pop(int(found.group(1)))
+        lines[n] = lines[n][:found.end()] + f", sharding={spec}" + lines[n][found.end():]
     if pending:
         raise ValueError(f"rewrite_entry: no entry parameter numbered {sorted(pending)}")
     if aliases:

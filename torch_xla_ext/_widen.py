@@ -28,7 +28,11 @@ import re
 __all__ = ["widen_shardings"]
 
 _TILED = re.compile(r"devices=\[(?P<dims>[\d,]+)\](?P<devices><=\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)(?P<rest>[^,}{]*)")
-_REFUSED = ("maximal", "manual", "last_tile_dim", "replica_groups", "SPMDFullToShardShape", "SPMDShardToFullShape")
+# What the text holds where a sharding is not a 1-D mesh's (matched where the printer writes it, so a
+# name in the metadata does not count): the word each refusal names.
+_REFUSED = {"{maximal": "maximal", "{manual": "manual", "last_tile_dim": "last_tile_dim",
+            "replica_groups=": "replica_groups", '"SPMDFullToShardShape"': "SPMDFullToShardShape",
+            '"SPMDShardToFullShape"': "SPMDShardToFullShape"}
 
 
 def widen_shardings(text: str, devices: int, to: int) -> str:
@@ -37,8 +41,8 @@ def widen_shardings(text: str, devices: int, to: int) -> str:
     ValueError naming what it found for anything but replicated shardings
     and shardings that split one dimension over all ``devices`` in order.
     """
-    for word in _REFUSED:
-        if word in text:
+    for mark, word in _REFUSED.items():
+        if mark in text:
             raise ValueError(f"widen_shardings: the program holds {word!r}; only a 1-D mesh's shardings "
                              f"(one dimension over all {devices} devices, or replicated) can be widened")
     in_order = ",".join(str(d) for d in range(devices))
