@@ -15,7 +15,9 @@ placeholders (``torch_xla.core.xla_builder.create_placeholder_tensor``: an
 XLA tensor over a data handle with no buffer, 0 bytes however large), so an
 8B or 70B model lowers in a few GB of host memory. The mesh is virtual: as
 many PJRT CPU devices as the slice has chips (``CPU_NUM_DEVICES``; a CPU
-device costs about 3 MB of host memory). Each path runs in a child process
+device costs about 3 MB of host memory), or for 128 chips and more a divisor
+below 128 with the program's shardings widened to every chip
+(:func:`lowering_devices`, :mod:`torch_xla_ext._widen`). Each path runs in a child process
 of its own: the device count is fixed when torch_xla starts, and a program
 over placeholders must never be executed (torch_xla 2.9 crashes on it).
 
