@@ -14,6 +14,7 @@ on this host, the one noisy column).
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,11 +55,13 @@ def compile_jax(jitted, specs: Sequence, topology: str) -> tpu.CompiledForTpu:
 
     devices = _tpu_client.topology_devices(topology)
     lowered = jitted.lower(*specs)
-    start = time.perf_counter()
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="txe_jax_") as dump:
+        start = time.perf_counter()
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        seconds = time.perf_counter() - start
+        buffers = _tpu_client.hbm_buffer_bytes(dump)
     module = read_hlo(lowered.compiler_ir("hlo").as_serialized_hlo_module_proto())
-    return _describe(compiled.runtime_executable(), module, topology, devices, seconds)
+    return _describe(compiled.runtime_executable(), module, topology, devices, seconds, buffers)
 
 
 def collective_bytes(r: tpu.CompiledForTpu) -> int:
@@ -69,17 +72,25 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
+def hbm_mib(r: tpu.CompiledForTpu) -> float | None:
+    return None if r.hbm_used_bytes is None else r.hbm_used_bytes / MIB
+
+
 def print_table(rows: dict[tuple[str, int], TpuRow], layer_counts: Sequence[int], methods: Sequence[str],
                 baseline: str) -> None:
-    """Per (L, method): peak / arguments / temporaries (MiB per chip), peak vs ``baseline``, compile s,
-    GFLOP and GB accessed per chip, collectives (count, MiB per chip)."""
-    head = (f"{'L':>3} {'method':<13} {'peak MiB':>9} {'x ' + baseline:>10} {'args':>8} {'temp':>8} "
-            f"{'compile s':>9} {'GFLOP':>8} {'GB acc':>7} {'colls':>6} {'coll MiB':>9}  trips")
+    """Per (L, method): HBM used (buffers + code, MiB per chip) and vs ``baseline``, the HBM buffers alone
+    and vs ``baseline``, the compiler's peak
+    (which may include on-chip memory), arguments, code, compile s, GFLOP and GB accessed per chip,
+    collectives (count, MiB per chip)."""
+    head = (f"{'L':>3} {'method':<13} {'HBM MiB':>8} {'x ' + baseline:>10} {'buffers':>8} {'x':>5} "
+            f"{'peak MiB':>9} {'args':>6} "
+            f"{'code':>6} {'compile s':>9} {'GFLOP':>8} {'GB acc':>7} {'colls':>6} {'coll MiB':>9}  trips")
     print(head)
     print("-" * len(head))
     for n in layer_counts:
         base = rows.get((baseline, n))
-        base_peak = base.result.peak_bytes if base and base.result else None
+        base_hbm = hbm_mib(base.result) if base and base.result else None
+        base_buf = base.result.hbm_buffer_bytes if base and base.result else None
         for m in methods:
             row = rows.get((m, n))
             if row is None:
@@ -88,10 +99,14 @@ def print_table(rows: dict[tuple[str, int], TpuRow], layer_counts: Sequence[int]
             if r is None:
                 print(f"{n:>3} {m:<13} {row.note}")
                 continue
-            ratio = r.peak_bytes / base_peak if base_peak else None
+            used = hbm_mib(r)
+            ratio = used / base_hbm if used is not None and base_hbm else None
             trips = ",".join("?" if t is None else str(t) for t in r.trip_counts) or "-"
-            print(f"{n:>3} {m:<13} {r.peak_bytes / MIB:>9.2f} {_fmt(ratio, 2):>10} {r.argument_bytes / MIB:>8.2f} "
-                  f"{r.temp_bytes / MIB:>8.2f} {r.compile_seconds:>9.2f} "
+            buf = r.hbm_buffer_bytes
+            buf_ratio = buf / base_buf if buf is not None and base_buf else None
+            print(f"{n:>3} {m:<13} {_fmt(used, 2):>8} {_fmt(ratio, 2):>10} "
+                  f"{_fmt(None if buf is None else buf / MIB, 2):>8} {_fmt(buf_ratio, 2):>5} {r.peak_bytes / MIB:>9.2f} "
+                  f"{r.argument_bytes / MIB:>6.2f} {r.generated_code_bytes / MIB:>6.2f} {r.compile_seconds:>9.2f} "
                   f"{_fmt(None if r.flops is None else r.flops / 1e9, 3):>8} "
                   f"{_fmt(None if r.bytes_accessed is None else r.bytes_accessed / 1e9, 3):>7} "
                   f"{sum(c for c, _ in r.collectives.values()):>6} {collective_bytes(r) / MIB:>9.2f}  {trips}"
@@ -100,7 +115,7 @@ def print_table(rows: dict[tuple[str, int], TpuRow], layer_counts: Sequence[int]
 
 def plot(rows: dict[tuple[str, int], TpuRow], layer_counts: Sequence[int], methods: Sequence[str], out: str,
          title: str) -> None:
-    """Peak HBM per chip and TPU compile seconds against L, one line per method."""
+    """HBM used per chip (buffers + code) and TPU compile seconds against L, one line per method."""
     import os
 
     import matplotlib
@@ -110,12 +125,13 @@ def plot(rows: dict[tuple[str, int], TpuRow], layer_counts: Sequence[int], metho
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for m in methods:
-        points = [(n, rows[(m, n)].result) for n in layer_counts if (m, n) in rows and rows[(m, n)].result]
+        points = [(n, rows[(m, n)].result) for n in layer_counts
+                  if (m, n) in rows and rows[(m, n)].result and rows[(m, n)].result.hbm_used_bytes is not None]
         if not points:
             continue
-        axes[0].plot([n for n, _ in points], [r.peak_bytes / MIB for _, r in points], marker="o", label=m)
+        axes[0].plot([n for n, _ in points], [hbm_mib(r) for _, r in points], marker="o", label=m)
         axes[1].plot([n for n, _ in points], [r.compile_seconds for _, r in points], marker="o", label=m)
-    axes[0].set(xlabel="layers L", ylabel="peak HBM per chip (MiB)", title=f"{title}: peak HBM per chip")
+    axes[0].set(xlabel="layers L", ylabel="HBM used per chip (MiB)", title=f"{title}: HBM used per chip")
     axes[1].set(xlabel="layers L", ylabel="TPU compile (s, this host)", title=f"{title}: TPU compile time")
     for ax in axes:
         ax.grid(alpha=0.3)

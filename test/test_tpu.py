@@ -59,6 +59,9 @@ def test_a_sharded_step_compiles_with_the_hand_counted_arguments_and_moves_nothi
     # preallocated temporaries exceed the reported peak; on v5e the peak is the larger).
     held = r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes + r.generated_code_bytes
     assert r.required_bytes == max(r.peak_bytes, held) and r.headroom_bytes == r.hbm_bytes - r.required_bytes
+    # The HBM buffers hold at least the arguments and the outputs; HBM used adds the program's code.
+    assert r.hbm_buffer_bytes >= r.argument_bytes + r.output_bytes - r.alias_bytes
+    assert r.hbm_used_bytes == r.hbm_buffer_bytes + r.generated_code_bytes and "HBM used" in str(r)
     # Nothing ran: the graph is still pending, and runs afterwards.
     assert torch.isfinite(loss.cpu())
 
@@ -83,6 +86,7 @@ def test_outputs_past_hbm_compile_and_do_not_fit(device):
     r = _compile_huge(device, _replicated_output)
     assert not r.fits and r.error is None
     assert r.peak_bytes >= 17 * _GIB > r.hbm_bytes
+    assert r.hbm_buffer_bytes >= 17 * _GIB
     assert r.headroom_bytes < 0 and "NO" in str(r)
 
 
@@ -128,6 +132,29 @@ def test_a_scan_costs_its_body_once_per_trip(device, mesh):
     assert unrolled.flops < long.flops < 1.01 * unrolled.flops
     # Collectives in the body count once per trip: the 2-trip scan's gathers, 4 times over.
     assert long.collectives["all-gather"] == tuple(4 * n for n in short.collectives["all-gather"])
+
+
+def test_hbm_buffers_are_memory_space_0_of_the_buffer_assignment(tmp_path):
+    from torch_xla_ext._tpu_client import hbm_buffer_bytes
+
+    assert hbm_buffer_bytes(str(tmp_path)) is None
+    (tmp_path / "module_0001.jit_f.cl_1.after_optimizations-buffer-assignment.txt").write_text(
+        "BufferAssignment:\n"
+        "allocation 0: size 4096, parameter 0, shape |f32[1024]| at ShapeIndex {}:\n"
+        " value: <1 p0 @0> (size=4096,offset=0): f32[1024]{0}\n"
+        "allocation 1: size 8192, maybe-live-out:\n"
+        "allocation 2: size 1048576, color 1, preallocated-temp:\n"
+        "allocation 3: size 512, color 0, preallocated-temp:\n"
+        "allocation 4: size 64, color 4, preallocated-temp:\n")
+    assert hbm_buffer_bytes(str(tmp_path)) == 4096 + 8192 + 512
+
+
+def test_a_small_programs_peak_counts_on_chip_memory_its_hbm_buffers_do_not(device, mesh):
+    # A small scan on v5e: the compiler prefetches layers into its on-chip vector memory (memory space
+    # 1), and the peak it reports counts that; the program's HBM buffers are far smaller.
+    r = _compiled_scan(device, mesh, 8)
+    assert r.hbm_buffer_bytes is not None
+    assert r.hbm_buffer_bytes < r.peak_bytes
 
 
 def test_a_scan_lowered_with_the_cpu_choices_is_refused(device, mesh):

@@ -11,14 +11,30 @@ allowed (without it the gradients come out replicated).
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import re
 import sys
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "computation_cost", "rewrite_entry"]
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "computation_cost", "rewrite_entry",
+           "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
+
+
+def required_bytes(peak: int, argument: int, output: int, alias: int, temp: int, generated_code: int) -> int:
+    """What a compiled program needs per chip: the larger of its peak and the sum of what it holds.
+
+    The compile-only client's two accounts differ by chip: on v5e the peak
+    of its buffer assignment is the larger (temporaries often 0), on v5p
+    its preallocated temporaries can exceed the peak it reports. Taking
+    the larger of the peak and arguments + outputs - aliased + temporaries
+    + generated code never calls a program that needs more than HBM one
+    that fits.
+    """
+    return max(peak, argument + output - alias + temp + generated_code)
 
 
 class TpuUnavailable(ImportError):
@@ -57,8 +73,12 @@ def topology_devices(name: str) -> tuple:
             ) from None
 
 
-def compile_hlo(hlo: bytes, devices: tuple) -> Any:
-    """Compile ``hlo`` (a serialized HloModuleProto, SPMD-partitioned over ``len(devices)``) for ``devices``."""
+def compile_hlo(hlo: bytes, devices: tuple, dump_to: str | None = None) -> Any:
+    """Compile ``hlo`` (a serialized HloModuleProto, SPMD-partitioned over ``len(devices)``) for ``devices``.
+
+    ``dump_to``: a directory where the compiler writes its programs and buffer assignment
+    (:func:`hbm_buffer_bytes` reads it).
+    """
     _, jaxlib_ext, xla_client = _jax()
     import numpy as np
 
@@ -70,8 +90,43 @@ def compile_hlo(hlo: bytes, devices: tuple) -> Any:
     build.use_shardy_partitioner = False
     build.allow_spmd_sharding_propagation_to_output = [True]
     build.device_assignment = xla_client.DeviceAssignment.create(np.arange(len(devices)).reshape(1, len(devices)))
+    if dump_to is not None:
+        build.debug_options.xla_dump_to = dump_to
     module = jaxlib_ext.mlir.hlo_to_stablehlo(hlo)
     return devices[0].client.compile(module, jaxlib_ext.DeviceList(devices), options)
+
+
+_ALLOCATION = re.compile(r"allocation \d+: size (\d+), (?:color (\d+), )?")
+
+
+def hbm_buffer_bytes(dump_dir: str) -> int | None:
+    """Bytes of the compiled program's buffers in HBM, per chip, from the buffer assignment in ``dump_dir``.
+
+    The compiler assigns each buffer a memory space (its "color"): 0 is HBM;
+    the others are on-chip memories (on TPU the largest, color 1, is the
+    vector memory its memory-space assignment prefetches into, up to ~100
+    MiB on v5e). The compile-only client's ``peak_memory_in_bytes`` adds
+    color 1 to HBM for some programs and not for others (measured on v5e:
+    a program whose HBM buffers are 160 MiB reports a 272 MiB peak, 112 MiB
+    of it color 1), so a small program's peak can be mostly on-chip memory.
+    The sum of the color-0 allocations is what the program holds in HBM
+    while it runs: arguments, outputs (an output that reuses an argument's
+    buffer counted once), constants, and the preallocated temporary buffer
+    (sized by the compiler's peak of live temporaries). None when the dump
+    holds no buffer assignment.
+    """
+    found = glob.glob(os.path.join(dump_dir, "*after_optimizations-buffer-assignment.txt"))
+    totals = []
+    for path in found:
+        total = 0
+        with open(path) as f:
+            for line in f:
+                m = _ALLOCATION.match(line)
+                if m is not None and int(m.group(2) or 0) == 0:
+                    total += int(m.group(1))
+        totals.append(total)
+    # One module per compile here; were the compiler to emit helper modules too, the program is the largest.
+    return max(totals) if totals else None
 
 
 def rewrite_entry(hlo: bytes, shardings: dict[int, str], aliases: dict[int, int],

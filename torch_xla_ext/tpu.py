@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
@@ -32,7 +33,8 @@ import torch
 from ._format import format_bytes
 from ._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
 from ._placeholders import parameter_shardings
-from ._tpu_client import TpuUnavailable, compile_hlo, computation_cost, rewrite_entry, topology_devices
+from ._tpu_client import (TpuUnavailable, compile_hlo, computation_cost, hbm_buffer_bytes, required_bytes,
+                          rewrite_entry, topology_devices)
 from .hlo import HloModule, read_hlo
 from .lowering import LoweringContext
 from .transfer_guard import no_host_transfers
@@ -76,20 +78,27 @@ class CompiledForTpu:
     error: str | None = None
     #: Each while loop's trip count in the compiled program (None: unknown), in the program's order.
     trip_counts: tuple[int | None, ...] = ()
+    #: The program's buffers in HBM (memory space 0 of the compiler's buffer assignment: arguments,
+    #: outputs, constants, temporaries), without the on-chip memory ``peak_bytes`` may include
+    #: (:func:`~torch_xla_ext._tpu_client.hbm_buffer_bytes`); None when the compiler wrote none.
+    hbm_buffer_bytes: int | None = None
+
+    @property
+    def hbm_used_bytes(self) -> int | None:
+        """What the program holds in HBM per chip: its HBM buffers and its generated code (None: unknown).
+
+        The figure to compare programs by: ``peak_bytes`` can include the
+        chip's on-chip vector memory, which at small sizes is most of it.
+        """
+        if self.hbm_buffer_bytes is None:
+            return None
+        return self.hbm_buffer_bytes + self.generated_code_bytes
 
     @property
     def required_bytes(self) -> int:
-        """What ``fits`` compares with HBM: the larger of the compiler's peak and the sum of what it holds.
-
-        The compile-only client's two accounts differ by chip: on v5e the peak
-        of its buffer assignment is the larger (temporaries often 0), on v5p
-        its preallocated temporaries can exceed the peak it reports. Taking
-        the larger of ``peak_bytes`` and arguments + outputs - aliased +
-        temporaries + generated code never calls a program that needs more
-        than HBM one that fits.
-        """
-        held = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.generated_code_bytes
-        return max(self.peak_bytes, held)
+        """What ``fits`` compares with HBM (:func:`~torch_xla_ext._tpu_client.required_bytes`)."""
+        return required_bytes(self.peak_bytes, self.argument_bytes, self.output_bytes, self.alias_bytes,
+                              self.temp_bytes, self.generated_code_bytes)
 
     @property
     def headroom_bytes(self) -> int:
@@ -107,6 +116,8 @@ class CompiledForTpu:
                                         f"({100 * self.required_bytes / self.hbm_bytes:.1f}% of HBM, headroom "
                                         f"{format_bytes(self.headroom_bytes)})"),
                      ("peak per chip", format_bytes(self.peak_bytes)),
+                     ("HBM used", "unknown" if self.hbm_used_bytes is None
+                      else f"{format_bytes(self.hbm_used_bytes)} (buffers and code, no on-chip memory)"),
                      ("arguments", format_bytes(self.argument_bytes)),
                      ("outputs", f"{format_bytes(self.output_bytes)} ({format_bytes(self.alias_bytes)} aliased)"),
                      ("temporaries", format_bytes(self.temp_bytes)),
@@ -235,21 +246,26 @@ def _compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
             f"not have; build the program inside `with tpu.lowering():` (or with {CPU_CODEGEN_ENV}=0)"
         )
     start = time.perf_counter()
-    try:
-        executable = compile_hlo(hlo, devices)
-    except Exception as error:  # noqa: BLE001 - XlaRuntimeError; only HBM exhaustion is an answer
-        message = str(error)
-        if "RESOURCE_EXHAUSTED" not in message:
-            raise
-        return CompiledForTpu(topology, len(devices), kind, hbm, False, 0, 0, 0, 0, 0, 0, None, None, 0,
-                              time.perf_counter() - start, {}, error=message.splitlines()[0][:400])
-    return _describe(executable, lowered, topology, devices, time.perf_counter() - start)
+    with tempfile.TemporaryDirectory(prefix="txe_tpu_") as dump:
+        try:
+            executable = compile_hlo(hlo, devices, dump_to=dump)
+        except Exception as error:  # noqa: BLE001 - XlaRuntimeError; only HBM exhaustion is an answer
+            message = str(error)
+            if "RESOURCE_EXHAUSTED" not in message:
+                raise
+            return CompiledForTpu(topology, len(devices), kind, hbm, False, 0, 0, 0, 0, 0, 0, None, None, 0,
+                                  time.perf_counter() - start, {}, error=message.splitlines()[0][:400])
+        seconds = time.perf_counter() - start
+        buffers = hbm_buffer_bytes(dump)
+    return _describe(executable, lowered, topology, devices, seconds, buffers)
 
 
-def _describe(executable, lowered: HloModule, topology: str, devices: tuple, seconds: float) -> CompiledForTpu:
+def _describe(executable, lowered: HloModule, topology: str, devices: tuple, seconds: float,
+              hbm_buffers: int | None = None) -> CompiledForTpu:
     """The figures of ``executable``, compiled for ``devices`` from the program ``lowered``.
 
     Also what the benchmarks use for a program another front end (JAX) compiled for the same devices.
+    ``hbm_buffers``: :func:`~torch_xla_ext._tpu_client.hbm_buffer_bytes` of its compile.
     """
     kind = devices[0].device_kind
     hbm = HBM_BYTES[kind]
@@ -283,7 +299,7 @@ def _describe(executable, lowered: HloModule, topology: str, devices: tuple, sec
         output_bytes=int(stats.output_size_in_bytes), alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes), generated_code_bytes=int(stats.generated_code_size_in_bytes),
         flops=flops, bytes_accessed=bytes_accessed, while_loops=len(trips), compile_seconds=seconds,
-        collectives=collectives, trip_counts=tuple(trips.values()),
+        collectives=collectives, trip_counts=tuple(trips.values()), hbm_buffer_bytes=hbm_buffers,
     )
     return dataclasses.replace(result, fits=result.required_bytes <= hbm)
 
