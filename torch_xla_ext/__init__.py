@@ -10,7 +10,7 @@ from __future__ import annotations
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
 from .recompile_guard import RecompileError, no_recompiles
-from .scan import ScanInputError, ScanUnsupportedError, scan, scan_layers
+from .scan import ScanInputError, ScanUnsupportedError, scan, scan_layers, stack_layers
 from .transfer_guard import (
     HostTransferError,
     TransferStats,
@@ -42,6 +42,7 @@ __all__ = [
     "read_hlo",
     "scan",
     "scan_layers",
+    "stack_layers",
     "transfer_guard",
     "transfer_guard_device_to_host",
     "transfer_guard_host_to_device",

@@ -87,8 +87,10 @@ class FitReport:
             return None
         if c["error"] is not None:
             return _exhausted_bytes(c["error"])
-        held = c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + c["temp_bytes"] + c["generated_code_bytes"]
-        return max(c["peak_bytes"], held)
+        from ._tpu_client import required_bytes  # torch-free, like this module's parent side
+
+        return required_bytes(c["peak_bytes"], c["argument_bytes"], c["output_bytes"], c["alias_bytes"],
+                              c["temp_bytes"], c["generated_code_bytes"])
 
 
 def _exhausted_bytes(message: str) -> int | None:
@@ -338,6 +340,7 @@ def lowering_devices(chips: int) -> int:
 
 def _check_placements(model: Any, devices: int, chips: int) -> None:
     """Refuse a model fully_shard would place otherwise on ``chips`` than on the ``devices`` it was lowered on."""
+    from ._scan.stored import is_stacked
     from .distributed._param import applied_spec, default_placement
 
     for name, p in model.named_parameters():
@@ -347,7 +350,8 @@ def _check_placements(model: Any, devices: int, chips: int) -> None:
         here = next((d for d, s in enumerate(spec) if s is not None), None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "stays replicated": the answer compared below
-            there = default_placement(p, name, chips, None)
+            holder_name, _, local = name.rpartition(".")
+            there = default_placement(p, name, chips, None, stacked=is_stacked(model.get_submodule(holder_name), local))
         if here != there:
             raise ValueError(
                 f"tpu_fit: {name} {tuple(p.shape)} is sharded on dim {here} over {devices} devices but would be "

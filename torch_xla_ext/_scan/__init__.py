@@ -26,6 +26,8 @@ layered; each module holds one idea and imports only the ones above it:
               (trace fn), ``cache_key``, ``plan`` (look up or lower), ``run``.
 ``stacking``  stacking homogeneous layers' members, handing gradients back.
 ``homogeneous`` whether layers can share one traced step (members, attributes).
+``stored``    ``stack_layers``: a stack's parameters stored as one ``[L, ...]``
+              parameter per name, which ``scan_layers`` reads with no copy.
 ``layers``    ``scan_layers`` on top of ``api``'s stages (its checks run between
               them), ``homogeneous`` and ``stacking``.
 ``errors``    ``ScanInputError`` (bad arguments) and ``ScanUnsupportedError``
@@ -42,6 +44,7 @@ from .api import scan
 from .cache import ScanCacheInfo, clear_scan_cache, scan_cache_info
 from .errors import ScanInputError, ScanUnsupportedError
 from .layers import scan_layers
+from .stored import stack_layers
 
-__all__ = ["scan", "scan_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError",
+__all__ = ["scan", "scan_layers", "stack_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError",
            "ScanUnsupportedError"]

@@ -21,6 +21,7 @@ from .homogeneous import (attribute_groups, attribute_key, attribute_values, by_
                           check_members, describe_difference, layer_state, value_key)
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
+from .stored import stored_slices
 from .trace import refuse_kept_intermediates, same_trace
 
 
@@ -228,6 +229,7 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
     call_key = _check_call_tensors(kwargs, args)
     if not layers:
         return input_data
+    stored = stored_slices(layers)
     states = [layer_state(layer) for layer in layers]
     names = check_members(layers, states)
     check_hooks(layers)
@@ -241,6 +243,9 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
             with torch.no_grad():
                 stacked.append(_Stack.apply(*members))
     shapes = [tuple(states[0][name].shape) for name in names]
+    if stored:  # parameters stored stacked (stack_layers): the loop reads them as they are
+        names, shapes = names + list(stored), shapes + [tuple(t.shape[1:]) for t in stored.values()]
+        stacked.extend(stored.values())
     call = _Call(single, args, kwargs)
     template = layers[0]
     carry_spec, x_spec = pytree.tree_flatten(carry)[1], pytree.tree_flatten(stacked)[1]
@@ -264,7 +269,7 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
             if single != isinstance(first, torch.Tensor):
                 raise
             return _scan_layers(layers[1:], first, args, kwargs, partition_fn, is_layer_pure, peel=False)
-        _check_only_buffers(template, names, captured.written)
+        _check_only_buffers(template, names, captured.written, stored or {})
         _check_same_trace(layers, groups, names, shapes, call, captured)
         key = stages.cache_key(captured, carry_l, stacked, length, False, partition_fn,
                                extra=("scan_layers", tuple(names), tuple(shapes), call_key))
@@ -281,9 +286,10 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
     return out[0] if single else tuple(out)
 
 
-def _check_only_buffers(template: torch.nn.Module, names: list[str], written: list[int]) -> None:
+def _check_only_buffers(template: torch.nn.Module, names: list[str], written: list[int],
+                        stored: dict[str, torch.Tensor]) -> None:
     """Refuse a forward that writes into a parameter: the write would bypass autograd and the optimizer."""
-    params = {name for name, _ in template.named_parameters()}
+    params = {name for name, _ in template.named_parameters()} | set(stored)
     for j in written:
         if names[j] in params:
             raise RuntimeError(

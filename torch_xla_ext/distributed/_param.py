@@ -73,11 +73,14 @@ def axis_size(mesh: Any, axis: str | int) -> int:
     return int(mesh.mesh_shape[index])
 
 
-def default_placement(param: torch.Tensor, fqn: str, size: int, fn: Callable | None) -> int | None:
+def default_placement(param: torch.Tensor, fqn: str, size: int, fn: Callable | None,
+                      stacked: bool = False) -> int | None:
     """The dimension ``param`` is sharded on over a ``size``-way axis (None: replicated, with a warning).
 
     ``fn(param)`` decides when it returns a dimension; otherwise dim 0 when it
-    divides, else the largest dimension that does.
+    divides, else the largest dimension that does. A ``stacked`` parameter
+    (:func:`~torch_xla_ext.stack_layers`) gets the same rule over the dims
+    after its layers' one.
     """
     dim = fn(param) if fn is not None else None
     if dim is not None:
@@ -89,11 +92,14 @@ def default_placement(param: torch.Tensor, fqn: str, size: int, fn: Callable | N
             raise ValueError(f"shard_placement_fn chose dim {dim} of {fqn} (size {param.shape[dim]}), "
                              f"which does not divide over the {size}-way fsdp axis")
         return dim
-    if param.dim() == 0:
+    # A stacked parameter (stack_layers) is sharded like each layer's slice, never over the layers:
+    # a scan reads one layer per iteration.
+    first = 1 if stacked else 0
+    if param.dim() == first:
         return None
-    if param.shape[0] % size == 0:
-        return 0
-    divisible = [d for d in range(param.dim()) if param.shape[d] % size == 0]
+    if param.shape[first] % size == 0:
+        return first
+    divisible = [d for d in range(first, param.dim()) if param.shape[d] % size == 0]
     if divisible:
         return max(divisible, key=lambda d: (param.shape[d], -d))
     warnings.warn(f"fully_shard: no dimension of {fqn} {tuple(param.shape)} divides over the {size}-way "

@@ -121,6 +121,7 @@ from ._state import (
     replicate_state,
 )
 from .._partitionable import partition_layer_norms
+from .._scan.stored import is_stacked
 from . import _traversal
 from ._traversal import lr_dfs
 
@@ -321,7 +322,9 @@ def _plan(module: nn.Module, mesh: Any, axis: str | int, ignored: list[nn.Parame
         if applied is not None:  # placed (and warned about) when it was first sharded
             slot.spec = applied
             continue
-        dim = default_placement(p, slot.fqn, size, shard_placement_fn)
+        holder = slot.holder
+        dim = default_placement(p, slot.fqn, size, shard_placement_fn,
+                                stacked=holder is not None and is_stacked(holder, slot.name))
         slot.spec = spec_for(p, dim, axis)
         existing = current_spec(p)
         if existing and existing != spec_string(mesh, slot.spec, p):

@@ -1,0 +1,280 @@
+"""Stacked parameter storage: a layer stack's parameters held as one ``[L, ...]`` parameter per name.
+
+``scan_layers`` over ordinary layers stacks each parameter name's ``L``
+tensors into one ``[L, ...]`` operand at every call, and splits the stacked
+gradient back into ``L`` gradients. On the TPU compiler that is a second copy
+of every layer's parameter shard and of its gradient at the step's peak, and
+a few instructions per layer and parameter in the step's entry, so the
+compile time grows with ``L`` (``scripts/README.md``, *On the TPU compiler*).
+
+:func:`stack_layers` stores them stacked once instead, as JAX programs hold
+a scanned stack: each name becomes one parameter of shape ``[L, *shape]``,
+registered on the ``nn.ModuleList`` (as ``"<name with '/' for '.'>"``), and
+each layer reads its slice of it:
+
+- ``layers[i].mlp.up_proj.weight`` is ``stacked[i]``, a view made at each
+  access (so it follows the optimizer's in-place updates, and its gradient
+  lands in the stacked parameter); the layer's ``_parameters`` entry is
+  ``None``, so ``parameters()`` yields each stacked parameter once and no
+  per-layer tensor;
+- ``scan_layers`` hands the stacked parameters to the loop as they are and
+  gets their gradient stacked, with no copy either way;
+- ``state_dict()`` keys and values are the unstacked model's (``layers.3.
+  mlp.up_proj.weight``, in the same order) and ``load_state_dict`` takes
+  them, so checkpoints do not change.
+
+Each holder module's class becomes a subclass of its class (same name) whose
+``__getattr__`` answers the stacked names. Nothing moves to the host.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ScanInputError
+
+__all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage"]
+
+_LAYER = "_txe_stacked_layer"   # on each layer: (container, index)
+_SLOTS = "_txe_stacked_slots"   # on each holder: {local name: (container, key, index)}
+_NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
+_ORDER = "_txe_stacked_order"   # on the container: each layer's state_dict keys, in the unstacked order
+
+_holder_classes: dict[type, type] = {}
+
+
+def is_stacked(holder: nn.Module, name: str) -> bool:
+    """Whether ``holder``'s parameter ``name`` is one :func:`stack_layers` made (its dim 0 indexes the layers).
+
+    Read from the holder (the ModuleList), so a ``copy.deepcopy`` of the model answers like the original.
+    """
+    return name in holder.__dict__.get(_NAMES, {}).values()
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "/")
+
+
+def _holder_class(cls: type) -> type:
+    """``cls`` with a ``__getattr__`` that answers its stacked names with a slice of the stacked parameter."""
+    sub = _holder_classes.get(cls)
+    if sub is not None:
+        return sub
+
+    def __getattr__(self: nn.Module, name: str) -> Any:
+        slots = self.__dict__.get(_SLOTS)
+        if slots is not None and name in slots and self.__dict__["_parameters"].get(name) is None:
+            container, key, index = slots[name]
+            return container._parameters[key][index]
+        return super(sub, self).__getattr__(name)
+
+    sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__, "_txe_stacked_holder": True})
+    _holder_classes[cls] = sub
+    return sub
+
+
+def _stacked_value(members: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(members)`` on the device, sharded like each member on its dims and not over the layers."""
+    from .._annotate import _annotated_copy
+    from .stacking import _stacked_sharding, _tiling
+
+    with torch.no_grad():
+        value = torch.stack([m.detach() for m in members])
+    tiling = _tiling(members[0])
+    if tiling is None:
+        raise ScanInputError(f"stack_layers: a parameter's sharding is neither tiled nor replicated "
+                             f"({members[0].shape}); stack the layers before sharding them this way")
+    tiles, devices_text, _ = tiling
+    if devices_text:
+        dims = tiles[:members[0].dim()]
+        value = _annotated_copy(value, _stacked_sharding(dims + tiles[members[0].dim():], devices_text,
+                                                         members[0].dim()))
+    return value
+
+
+def stack_layers(layers: nn.ModuleList) -> None:
+    """Store the parameters of homogeneous ``layers`` stacked: one ``[L, ...]`` parameter per name, in place.
+
+    The layers must be of one class with the same parameter names, shapes,
+    dtypes, shardings and ``requires_grad`` flags (as :func:`scan_layers`
+    needs), on the XLA device, with no parameter shared between two places.
+    Call it before ``fully_shard`` and before the optimizer is created: the
+    per-layer parameters it replaces are no longer the model's (an optimizer
+    built earlier would update tensors nothing reads). ``fully_shard`` shards
+    a stacked parameter on one of a layer's dimensions, never over the layers.
+
+    After it, ``scan_layers(layers, x)`` reads the stacked parameters with no
+    copy and the loop ``for layer in layers: x = layer(x)`` still works (each
+    access to ``layer.weight`` is a slice). Buffers stay per layer. Nothing
+    moves to the host. Raises :class:`ScanInputError` before changing
+    anything when the layers cannot be stored stacked.
+    """
+    from ..distributed._param import applied_spec
+    from .homogeneous import check_members
+
+    if not isinstance(layers, nn.ModuleList):
+        raise ScanInputError(f"stack_layers: layers must be an nn.ModuleList (the stacked parameters are "
+                             f"registered on it), got {type(layers).__name__}")
+    members_of = list(layers._modules.values())
+    if not members_of:
+        raise ScanInputError("stack_layers: the ModuleList is empty")
+    if _NAMES in layers.__dict__ or any(m.__dict__.get(_SLOTS) or m.__dict__.get(_LAYER)
+                                        for layer in members_of for m in layer.modules()):
+        raise ScanInputError("stack_layers: these layers are already stored stacked")
+    states = [dict(layer.named_parameters(remove_duplicate=False)) for layer in members_of]
+    if not states[0]:
+        raise ScanInputError(f"stack_layers: {type(members_of[0]).__name__} has no parameters to stack")
+    check_members(members_of, states)
+    seen: dict[int, str] = {}
+    for i, state in enumerate(states):
+        for name, p in state.items():
+            where = f"layers[{i}].{name}"
+            if id(p) in seen:
+                raise ScanInputError(f"stack_layers: {where} is the same tensor as {seen[id(p)]}; a parameter "
+                                     f"shared between layers or names cannot be stored stacked (untie it first)")
+            seen[id(p)] = where
+            if applied_spec(p) is not None:
+                raise ScanInputError(f"stack_layers: {where} is already placed by fully_shard; call "
+                                     f"stack_layers before fully_shard")
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                raise ScanInputError(f"stack_layers: {where} has a gradient hook, which a stacked parameter "
+                                     f"would not keep; register hooks on the stacked parameter instead")
+    names = list(states[0])
+    for name in names:
+        if hasattr(layers, _key(name)):
+            raise ScanInputError(f"stack_layers: the ModuleList already has an attribute '{_key(name)}'")
+    order = [list(layer.state_dict(keep_vars=True)) for layer in members_of]
+
+    stacked = {name: nn.Parameter(_stacked_value([state[name] for state in states]),
+                                  requires_grad=states[0][name].requires_grad) for name in names}
+    # Nothing is changed above this line.
+    for name, p in stacked.items():
+        layers.register_parameter(_key(name), p)
+    layers.__dict__[_NAMES] = {name: _key(name) for name in names}
+    layers.__dict__[_ORDER] = order
+    for i, layer in enumerate(members_of):
+        layer.__dict__[_LAYER] = (layers, i)
+        for name in names:
+            holder_name, _, local = name.rpartition(".")
+            holder = layer.get_submodule(holder_name)
+            holder._parameters[local] = None
+            holder.__dict__.setdefault(_SLOTS, {})[local] = (layers, _key(name), i)
+            if not getattr(type(holder), "_txe_stacked_holder", False):
+                holder.__class__ = _holder_class(type(holder))
+    layers._register_state_dict_hook(_unstacked_state_dict)
+    layers._register_load_state_dict_pre_hook(_stack_loaded, with_module=True)
+    layers.register_load_state_dict_post_hook(_name_missing_layers)
+
+
+def _unstacked_state_dict(module: nn.ModuleList, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: the stacked parameters as each layer's own keys, in the unstacked model's order."""
+    names: dict[str, str] = module.__dict__[_NAMES]
+    # The list's own subtree was saved last: take its keys out and put them back in the unstacked order.
+    mine = [k for k in state_dict if k.startswith(prefix)]
+    saved = OrderedDict((k, state_dict.pop(k)) for k in mine)
+    stacked = {name: saved.pop(prefix + key) for name, key in names.items()}
+    for i, keys in enumerate(module.__dict__[_ORDER]):
+        for rel in keys:
+            key = f"{prefix}{i}.{rel}"
+            if rel in stacked:
+                state_dict[key] = stacked[rel][i]
+            elif key in saved:
+                state_dict[key] = saved.pop(key)
+    state_dict.update(saved)  # anything added after stacking
+
+
+def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                  missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """Load pre-hook: each stacked name's per-layer values, stacked on the device like its parameter."""
+    from .sharding import _sharding_of
+
+    missing: list[str] = module.__dict__.setdefault("_txe_stacked_missing", [])
+    missing.clear()
+    count = len(module.__dict__[_ORDER])
+    for name, key in module.__dict__[_NAMES].items():
+        keys = [f"{prefix}{i}.{name}" for i in range(count)]
+        have = [k for k in keys if k in state_dict]
+        if len(have) < count:
+            missing.extend(k for k in keys if k not in state_dict)
+            for k in have:
+                state_dict.pop(k)
+            continue
+        p = module._parameters[key]
+        values = [state_dict.pop(k) for k in keys]
+        bad = [(k, v) for k, v in zip(keys, values) if tuple(v.shape) != tuple(p.shape[1:])]
+        if bad:
+            k, v = bad[0]
+            error_msgs.append(f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from "
+                              f"checkpoint, the shape in current model is {tuple(p.shape[1:])}.")
+            continue
+        with torch.no_grad():
+            value = torch.stack([v.detach().to(device=p.device, dtype=p.dtype) for v in values])
+        sharding = _sharding_of(p) if p.device.type == "xla" else None
+        if sharding is not None:
+            from .._annotate import _annotated_copy
+
+            value = _annotated_copy(value, sharding)
+        state_dict[prefix + key] = value
+
+
+def _name_missing_layers(module: nn.ModuleList, incompatible: Any) -> None:
+    """Load post-hook: report a stacked name missing from a checkpoint by its per-layer keys, not its own."""
+    missing: list[str] = module.__dict__.get("_txe_stacked_missing", [])
+    stacked_keys = set(module.__dict__[_NAMES].values())
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
+                                    if k.rpartition(".")[2] not in stacked_keys] + missing
+    missing.clear()
+
+
+def stored_slices(layers: list[nn.Module]) -> dict[str, torch.Tensor] | None:
+    """For layers :func:`stack_layers` stored, each stacked name's parameter over exactly these layers.
+
+    None for ordinary layers. Raises :class:`ScanInputError` for a mix, for
+    layers not in their stacked order, and for a layer whose stacked
+    parameter was replaced by an assignment after stacking.
+    """
+    records = [layer.__dict__.get(_LAYER) for layer in layers]
+    if all(r is None for r in records):
+        refuse_nested_storage(layers)
+        return None
+    if any(r is None for r in records) or any(r[0] is not records[0][0] for r in records):
+        raise ScanInputError("scan_layers: these layers mix ones stored stacked (stack_layers) with others; "
+                             "scan the layers of one stacked ModuleList")
+    container = records[0][0]
+    first = records[0][1]
+    indices = [r[1] for r in records]
+    if indices != list(range(first, first + len(indices))):
+        raise ScanInputError(f"scan_layers: layers stored stacked must be scanned in their stacked order "
+                             f"(consecutive, ascending); got stacked indices {indices}")
+    names: dict[str, str] = container.__dict__[_NAMES]
+    for name in names:
+        holder_name, _, local = name.rpartition(".")
+        for layer, index in zip(layers, indices):
+            if layer.get_submodule(holder_name)._parameters.get(local) is not None:
+                raise ScanInputError(
+                    f"scan_layers: layers[{index}].{name} was assigned a tensor of its own after stack_layers; "
+                    f"the stacked parameter holds this layer's value (write into it: "
+                    f"layers.get_parameter('{names[name]}')[{index}].copy_(...))"
+                )
+    total = len(container.__dict__[_ORDER])
+    out = {}
+    for name, key in names.items():
+        p = container._parameters[key]
+        out[name] = p if (first, len(indices)) == (0, total) else p[first:first + len(indices)]
+    return out
+
+
+def refuse_nested_storage(layers: list[nn.Module]) -> None:
+    """Refuse modules that contain stored-stacked layers without being them (a group of such layers)."""
+    for layer in layers:
+        for m in layer.modules():
+            if m.__dict__.get(_LAYER) is not None:
+                raise ScanInputError(
+                    f"scan_layers: {type(layer).__name__} contains layers stored stacked (stack_layers); "
+                    f"scan that stacked ModuleList itself (group_size > 1 does not read stacked storage)"
+                )
