@@ -178,6 +178,11 @@ def test_fully_shard_shards_a_stacked_parameter_on_a_layer_dim_and_trains_like_p
         torch_xla.sync()
         losses.append([float(v.detach()) for v in run])
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    # Nested under a fully sharded root, the state dict is still the per-layer model's.
+    plain_state, stacked_state = nets[0].state_dict(), nets[1].state_dict()
+    assert list(stacked_state) == list(plain_state)
+    torch.testing.assert_close(stacked_state["layers.5.up.weight"].cpu(), plain_state["layers.5.up.weight"].cpu(),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_bad_stacks_are_refused_before_anything_changes(device):
