@@ -183,6 +183,13 @@ def test_fully_shard_shards_a_stacked_parameter_on_a_layer_dim_and_trains_like_p
     assert list(stacked_state) == list(plain_state)
     torch.testing.assert_close(stacked_state["layers.5.up.weight"].cpu(), plain_state["layers.5.up.weight"].cpu(),
                                rtol=1e-5, atol=1e-6)
+    # ... and a fully sharded root loads a per-layer checkpoint into it, shardings kept.
+    spec = X._get_xla_sharding_spec(weight)
+    fresh = {k: torch.full_like(v.cpu(), 0.5) for k, v in plain_state.items()}
+    nets[1].load_state_dict(fresh)
+    torch_xla.sync()
+    assert X._get_xla_sharding_spec(stacked.get_parameter("up/weight")) == spec
+    assert torch.equal(stacked[7].up.weight.cpu(), torch.full((H, D), 0.5))
 
 
 def test_bad_stacks_are_refused_before_anything_changes(device):

@@ -114,6 +114,7 @@ def stack_layers(layers: nn.ModuleList) -> None:
     moves to the host. Raises :class:`ScanInputError` before changing
     anything when the layers cannot be stored stacked.
     """
+    from .._placeholders import is_placeholder
     from ..distributed._param import applied_spec
     from .homogeneous import check_members
 
@@ -138,6 +139,9 @@ def stack_layers(layers: nn.ModuleList) -> None:
                 raise ScanInputError(f"stack_layers: {where} is the same tensor as {seen[id(p)]}; a parameter "
                                      f"shared between layers or names cannot be stored stacked (untie it first)")
             seen[id(p)] = where
+            if is_placeholder(p):
+                raise ScanInputError(f"stack_layers: {where} is a shape-only placeholder; stack layers that hold "
+                                     f"data (placeholders are for tpu_fit, which does not stack)")
             if applied_spec(p) is not None:
                 raise ScanInputError(f"stack_layers: {where} is already placed by fully_shard; call "
                                      f"stack_layers before fully_shard")
@@ -166,7 +170,7 @@ def stack_layers(layers: nn.ModuleList) -> None:
             holder.__dict__.setdefault(_SLOTS, {})[local] = (layers, _key(name), i)
             if not getattr(type(holder), "_txe_stacked_holder", False):
                 holder.__class__ = _holder_class(type(holder))
-    layers._register_state_dict_hook(_unstacked_state_dict)
+    layers.register_state_dict_post_hook(_unstacked_state_dict)
     layers._register_load_state_dict_pre_hook(_stack_loaded, with_module=True)
     layers.register_load_state_dict_post_hook(_name_missing_layers)
 
