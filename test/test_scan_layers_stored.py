@@ -97,6 +97,15 @@ def test_the_scan_reads_the_stacked_parameters_without_stacking_or_moving_anythi
     assert "txe_stack" not in hlo and "txe_unstack" not in hlo
 
 
+def test_the_stacking_records_do_not_make_layers_differ(device):
+    # Each layer records its index; scan_layers must not take that for a per-layer attribute (which would
+    # trace every layer again at every call).
+    from torch_xla_ext._scan.homogeneous import attribute_groups
+
+    _, stacked = _stacked_copy(device)
+    assert attribute_groups(list(stacked)) == []
+
+
 def test_state_dict_keys_order_and_values_are_the_per_layer_models(device):
     plain, stacked = _stacked_copy(device)
     want = plain.state_dict()

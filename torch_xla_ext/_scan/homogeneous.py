@@ -29,6 +29,7 @@ from .errors import ScanInputError
 from .guard import describe_callable
 from .lift import bits_key, content_digest
 from .sharding import _canonical_specs
+from .stored import RECORDS
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
@@ -222,7 +223,7 @@ def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: i
 
 #: What ``nn.Module.__init__`` puts in every module's ``__dict__`` (members, children, hook tables) and
 #: what ``nn.Module.compile`` adds: compared by :func:`check_members` and :func:`check_hooks`, not here.
-_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"} | {"_compiled_call_impl"}
+_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"} | {"_compiled_call_impl"} | RECORDS
 
 _HOOK_TABLES = (("forward pre-hook", "_forward_pre_hooks"), ("forward hook", "_forward_hooks"),
                 ("backward pre-hook", "_backward_pre_hooks"), ("backward hook", "_backward_hooks"))

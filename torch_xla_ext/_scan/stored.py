@@ -37,12 +37,16 @@ from torch import nn
 
 from .errors import ScanInputError
 
-__all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage"]
+__all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage", "RECORDS"]
 
 _LAYER = "_txe_stacked_layer"   # on each layer: (container, index)
 _SLOTS = "_txe_stacked_slots"   # on each holder: {local name: (container, key, index)}
 _NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
 _ORDER = "_txe_stacked_order"   # on the container: each layer's state_dict keys, in the unstacked order
+
+#: The attributes this module keeps on layers and holders: bookkeeping, not what a forward computes
+#: (``scan_layers`` does not compare them between layers; the index in them differs by design).
+RECORDS = frozenset({_LAYER, _SLOTS})
 
 _holder_classes: dict[type, type] = {}
 
