@@ -118,6 +118,23 @@ def test_state_dict_keys_order_and_values_are_the_per_layer_models(device):
     assert kept["1.up.weight"].requires_grad
 
 
+def test_a_single_layers_state_dict_and_load_state_dict_see_its_slices(device):
+    plain, stacked = _stacked_copy(device)
+    want = plain[2].state_dict()
+    got = stacked[2].state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), msg=k)
+    assert list(stacked[2].up.state_dict()) == ["weight", "bias"]
+    new = {k: torch.full_like(v.cpu(), 3.0) for k, v in want.items()}
+    assert not stacked[2].load_state_dict(new).missing_keys
+    torch_xla.sync()
+    assert torch.equal(stacked[2].up.weight.cpu(), torch.full((H, D), 3.0))
+    assert torch.equal(stacked[1].up.weight.cpu(), plain[1].up.weight.cpu())  # the other layers are untouched
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "up.bias"'):
+        stacked[2].load_state_dict({k: v for k, v in new.items() if k != "up.bias"})
+
+
 def test_load_state_dict_from_a_per_layer_checkpoint_keeps_the_sharding(device, mesh_1d):
     _, stacked = _stacked_copy(device, mesh_1d)
     source = make_blocks(L, D, H, seed=3)
@@ -131,7 +148,13 @@ def test_load_state_dict_from_a_per_layer_checkpoint_keeps_the_sharding(device, 
     for i in range(L):
         torch.testing.assert_close(stacked[i].down.weight.cpu(), source[i].down.weight)
     partial = {k: v for k, v in source.state_dict().items() if k != "2.norm.bias"}
+    before = stacked[2].norm.bias.cpu()
+    with torch.no_grad():
+        partial["1.norm.bias"] = torch.full((D,), 7.0)
     assert stacked.load_state_dict(partial, strict=False).missing_keys == ["2.norm.bias"]
+    # The layers the checkpoint has are loaded; the missing one keeps its value.
+    assert torch.equal(stacked[1].norm.bias.cpu(), torch.full((D,), 7.0))
+    assert torch.equal(stacked[2].norm.bias.cpu(), before)
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2.norm.bias"'):
         stacked.load_state_dict(partial)
     wrong = dict(source.state_dict(), **{"1.up.weight": torch.zeros(3, 3)})

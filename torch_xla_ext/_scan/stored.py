@@ -43,6 +43,7 @@ _LAYER = "_txe_stacked_layer"   # on each layer: (container, index)
 _SLOTS = "_txe_stacked_slots"   # on each holder: {local name: (container, key, index)}
 _NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
 _ORDER = "_txe_stacked_order"   # on the container: each layer's state_dict keys, in the unstacked order
+_LOADING = "_txe_stacked_loading"  # on the container: a load_state_dict of it (or above) is under way
 
 #: The attributes this module keeps on layers and holders: bookkeeping, not what a forward computes
 #: (``scan_layers`` does not compare them between layers; the index in them differs by design).
@@ -177,6 +178,10 @@ def stack_layers(layers: nn.ModuleList) -> None:
     layers.register_state_dict_post_hook(_unstacked_state_dict)
     layers._register_load_state_dict_pre_hook(_stack_loaded, with_module=True)
     layers.register_load_state_dict_post_hook(_name_missing_layers)
+    for holder in {id(h): h for h in (layers[i].get_submodule(n.rpartition(".")[0]) for i in range(len(members_of))
+                                      for n in names)}.values():
+        holder.register_state_dict_post_hook(_holder_state_dict)
+        holder._register_load_state_dict_pre_hook(_holder_loaded, with_module=True)
 
 
 def _unstacked_state_dict(module: nn.ModuleList, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -190,10 +195,55 @@ def _unstacked_state_dict(module: nn.ModuleList, state_dict: dict, prefix: str, 
         for rel in keys:
             key = f"{prefix}{i}.{rel}"
             if rel in stacked:
+                saved.pop(key, None)  # the holder's own hook wrote it detached; this honours keep_vars
                 state_dict[key] = stacked[rel][i]
             elif key in saved:
                 state_dict[key] = saved.pop(key)
     state_dict.update(saved)  # anything added after stacking
+
+
+def _holder_state_dict(holder: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook on a module holding stacked names: each as its own key (its slice), where it was.
+
+    What a ``state_dict()`` of a layer or of the holder alone needs; one of
+    the ModuleList or above rewrites these entries again
+    (:func:`_unstacked_state_dict`, which also honours ``keep_vars``).
+    """
+    slots = holder.__dict__[_SLOTS]
+    mine = [k for k in state_dict if k.startswith(prefix)]
+    saved = OrderedDict((k, state_dict.pop(k)) for k in mine)
+    for local, param in holder._parameters.items():  # registration order; a stacked name's entry is None
+        key = prefix + local
+        if param is None and local in slots:
+            container, ckey, index = slots[local]
+            state_dict[key] = container._parameters[ckey].detach()[index]
+        elif key in saved:
+            state_dict[key] = saved.pop(key)
+    state_dict.update(saved)
+
+
+def _holder_loaded(holder: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                   missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """Load pre-hook on a holder: a ``load_state_dict`` of a layer or holder alone writes its slices in place.
+
+    Under a load of the ModuleList or above, the list's own hook has taken
+    these keys already (and reports what is missing).
+    """
+    for local, (container, ckey, index) in holder.__dict__[_SLOTS].items():
+        if holder._parameters.get(local) is not None or container.__dict__.get(_LOADING):
+            continue
+        key = prefix + local
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        value = state_dict.pop(key)
+        p = container._parameters[ckey]
+        if tuple(value.shape) != tuple(p.shape[1:]):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                              f"checkpoint, the shape in current model is {tuple(p.shape[1:])}.")
+            continue
+        with torch.no_grad():
+            p[index].copy_(value.detach())
 
 
 def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
@@ -203,25 +253,35 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
 
     missing: list[str] = module.__dict__.setdefault("_txe_stacked_missing", [])
     missing.clear()
+    module.__dict__[_LOADING] = True  # the holders' own hooks stand aside (until the post hook)
     count = len(module.__dict__[_ORDER])
     for name, key in module.__dict__[_NAMES].items():
         keys = [f"{prefix}{i}.{name}" for i in range(count)]
-        have = [k for k in keys if k in state_dict]
-        if len(have) < count:
-            missing.extend(k for k in keys if k not in state_dict)
-            for k in have:
-                state_dict.pop(k)
+        have = {i: k for i, k in enumerate(keys) if k in state_dict}
+        if not have:
+            if prefix + key not in state_dict:  # (the stacked key itself loads as any parameter does)
+                missing.extend(keys)
+            continue
+        if prefix + key in state_dict:
+            error_msgs.append(f"{prefix + key} and {have[next(iter(have))]} both given: a stacked parameter "
+                              f"is loaded from its per-layer keys or from its own, not both.")
             continue
         p = module._parameters[key]
-        values = [state_dict.pop(k) for k in keys]
-        bad = [(k, v) for k, v in zip(keys, values) if tuple(v.shape) != tuple(p.shape[1:])]
+        values = {i: state_dict.pop(k) for i, k in have.items()}
+        bad = [(have[i], v) for i, v in values.items() if tuple(v.shape) != tuple(p.shape[1:])]
         if bad:
             k, v = bad[0]
             error_msgs.append(f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from "
                               f"checkpoint, the shape in current model is {tuple(p.shape[1:])}.")
             continue
         with torch.no_grad():
-            value = torch.stack([v.detach().to(device=p.device, dtype=p.dtype) for v in values])
+            if len(values) == count:
+                value = torch.stack([values[i].detach().to(device=p.device, dtype=p.dtype) for i in range(count)])
+            else:  # a partial checkpoint: the layers it has, the others as they are (and reported missing)
+                missing.extend(k for i, k in enumerate(keys) if i not in have)
+                value = p.detach().clone()
+                for i, v in values.items():
+                    value[i] = v.detach().to(device=p.device, dtype=p.dtype)
         sharding = _sharding_of(p) if p.device.type == "xla" else None
         if sharding is not None:
             from .._annotate import _annotated_copy
@@ -232,6 +292,7 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
 
 def _name_missing_layers(module: nn.ModuleList, incompatible: Any) -> None:
     """Load post-hook: report a stacked name missing from a checkpoint by its per-layer keys, not its own."""
+    module.__dict__[_LOADING] = False
     missing: list[str] = module.__dict__.get("_txe_stacked_missing", [])
     stacked_keys = set(module.__dict__[_NAMES].values())
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
