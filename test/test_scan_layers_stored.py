@@ -118,6 +118,26 @@ def test_state_dict_keys_order_and_values_are_the_per_layer_models(device):
     assert kept["1.up.weight"].requires_grad
 
 
+def test_a_list_edited_after_stacking_maps_each_layer_to_its_own_rows(device):
+    # Deleting a layer renumbers the list; each remaining layer must still save and load its own row.
+    plain, stacked = _stacked_copy(device)
+    del plain[0]
+    del stacked[0]
+    want = plain.state_dict()
+    got = stacked.state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), msg=k)
+    new = {k: torch.full_like(v.cpu(), float(k[0]) + 1) for k, v in want.items()}  # layer i holds i + 1
+    result = stacked.load_state_dict(new)
+    assert not result.missing_keys and not result.unexpected_keys
+    torch_xla.sync()
+    for i in range(L - 1):
+        assert torch.equal(stacked[i].up.weight.cpu(), torch.full((H, D), float(i + 1)))
+    # The row the deleted layer held is kept as it was.
+    assert torch.equal(stacked.get_parameter("up/weight")[0].cpu(), make_blocks(L, D, H)[0].up.weight)
+
+
 def test_a_single_layers_state_dict_and_load_state_dict_see_its_slices(device):
     plain, stacked = _stacked_copy(device)
     want = plain[2].state_dict()

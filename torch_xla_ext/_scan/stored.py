@@ -42,7 +42,6 @@ __all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage
 _LAYER = "_txe_stacked_layer"   # on each layer: (container, index)
 _SLOTS = "_txe_stacked_slots"   # on each holder: {local name: (container, key, index)}
 _NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
-_ORDER = "_txe_stacked_order"   # on the container: each layer's state_dict keys, in the unstacked order
 _LOADING = "_txe_stacked_loading"  # on the container: a load_state_dict of it (or above) is under way
 
 #: The attributes this module keeps on layers and holders: bookkeeping, not what a forward computes
@@ -157,7 +156,6 @@ def stack_layers(layers: nn.ModuleList) -> None:
     for name in names:
         if hasattr(layers, _key(name)):
             raise ScanInputError(f"stack_layers: the ModuleList already has an attribute '{_key(name)}'")
-    order = [list(layer.state_dict(keep_vars=True)) for layer in members_of]
 
     stacked = {name: nn.Parameter(_stacked_value([state[name] for state in states]),
                                   requires_grad=states[0][name].requires_grad) for name in names}
@@ -165,7 +163,6 @@ def stack_layers(layers: nn.ModuleList) -> None:
     for name, p in stacked.items():
         layers.register_parameter(_key(name), p)
     layers.__dict__[_NAMES] = {name: _key(name) for name in names}
-    layers.__dict__[_ORDER] = order
     for i, layer in enumerate(members_of):
         layer.__dict__[_LAYER] = (layers, i)
         for name in names:
@@ -184,22 +181,34 @@ def stack_layers(layers: nn.ModuleList) -> None:
         holder._register_load_state_dict_pre_hook(_holder_loaded, with_module=True)
 
 
+def _rows(module: nn.ModuleList) -> dict[int, str]:
+    """Each stacked row still held by a layer of ``module``: row index -> that layer's key in the list.
+
+    The layers' own records, not their positions, name the rows, so a list
+    edited after stacking (a layer deleted or reordered) still maps each
+    layer to its own values.
+    """
+    rows = {}
+    for child, layer in module._modules.items():
+        record = layer.__dict__.get(_LAYER) if layer is not None else None
+        if record is not None and record[0] is module:
+            rows[record[1]] = child
+    return rows
+
+
 def _unstacked_state_dict(module: nn.ModuleList, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """State-dict hook: the stacked parameters as each layer's own keys, in the unstacked model's order."""
-    names: dict[str, str] = module.__dict__[_NAMES]
-    # The list's own subtree was saved last: take its keys out and put them back in the unstacked order.
-    mine = [k for k in state_dict if k.startswith(prefix)]
-    saved = OrderedDict((k, state_dict.pop(k)) for k in mine)
-    stacked = {name: saved.pop(prefix + key) for name, key in names.items()}
-    for i, keys in enumerate(module.__dict__[_ORDER]):
-        for rel in keys:
-            key = f"{prefix}{i}.{rel}"
-            if rel in stacked:
-                saved.pop(key, None)  # the holder's own hook wrote it detached; this honours keep_vars
-                state_dict[key] = stacked[rel][i]
-            elif key in saved:
-                state_dict[key] = saved.pop(key)
-    state_dict.update(saved)  # anything added after stacking
+    """State-dict hook: the stacked parameters only as each layer's own keys.
+
+    The holders' hooks (:func:`_holder_state_dict`) have already written
+    each layer's slices at their places; this drops the list's stacked keys
+    and, under ``keep_vars``, puts the undetached slices in their stead.
+    """
+    stacked = {name: state_dict.pop(prefix + key) for name, key in module.__dict__[_NAMES].items()}
+    for row, child in _rows(module).items():
+        for name, value in stacked.items():
+            key = f"{prefix}{child}.{name}"
+            if key in state_dict:
+                state_dict[key] = value[row]  # same key: its place is kept
 
 
 def _holder_state_dict(holder: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -254,13 +263,14 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
     missing: list[str] = module.__dict__.setdefault("_txe_stacked_missing", [])
     missing.clear()
     module.__dict__[_LOADING] = True  # the holders' own hooks stand aside (until the post hook)
-    count = len(module.__dict__[_ORDER])
+    rows = _rows(module)
     for name, key in module.__dict__[_NAMES].items():
-        keys = [f"{prefix}{i}.{name}" for i in range(count)]
-        have = {i: k for i, k in enumerate(keys) if k in state_dict}
+        count = module._parameters[key].shape[0]
+        keys = {row: f"{prefix}{child}.{name}" for row, child in rows.items()}
+        have = {row: k for row, k in keys.items() if k in state_dict}
         if not have:
             if prefix + key not in state_dict:  # (the stacked key itself loads as any parameter does)
-                missing.extend(keys)
+                missing.extend(keys.values())
             continue
         if prefix + key in state_dict:
             error_msgs.append(f"{prefix + key} and {have[next(iter(have))]} both given: a stacked parameter "
@@ -275,10 +285,10 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
                               f"checkpoint, the shape in current model is {tuple(p.shape[1:])}.")
             continue
         with torch.no_grad():
-            if len(values) == count:
+            if set(values) == set(range(count)):
                 value = torch.stack([values[i].detach().to(device=p.device, dtype=p.dtype) for i in range(count)])
             else:  # a partial checkpoint: the layers it has, the others as they are (and reported missing)
-                missing.extend(k for i, k in enumerate(keys) if i not in have)
+                missing.extend(k for row, k in keys.items() if row not in have)
                 value = p.detach().clone()
                 for i, v in values.items():
                     value[i] = v.detach().to(device=p.device, dtype=p.dtype)
@@ -330,11 +340,10 @@ def stored_slices(layers: list[nn.Module]) -> dict[str, torch.Tensor] | None:
                     f"the stacked parameter holds this layer's value (write into it: "
                     f"layers.get_parameter('{names[name]}')[{index}].copy_(...))"
                 )
-    total = len(container.__dict__[_ORDER])
     out = {}
     for name, key in names.items():
         p = container._parameters[key]
-        out[name] = p if (first, len(indices)) == (0, total) else p[first:first + len(indices)]
+        out[name] = p if (first, len(indices)) == (0, p.shape[0]) else p[first:first + len(indices)]
     return out
 
 
