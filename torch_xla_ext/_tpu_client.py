@@ -104,11 +104,12 @@ def hbm_buffer_bytes(dump_dir: str) -> int | None:
 
     The compiler assigns each buffer a memory space (its "color"): 0 is HBM;
     the others are on-chip memories (on TPU the largest, color 1, is the
-    vector memory its memory-space assignment prefetches into, up to ~100
-    MiB on v5e). The compile-only client's ``peak_memory_in_bytes`` adds
-    color 1 to HBM for some programs and not for others (measured on v5e:
-    a program whose HBM buffers are 160 MiB reports a 272 MiB peak, 112 MiB
-    of it color 1), so a small program's peak can be mostly on-chip memory.
+    vector memory its memory-space assignment prefetches into; programs on
+    v5e were measured using up to 112 MiB of it). The compile-only client's
+    ``peak_memory_in_bytes`` adds color 1 to HBM for some programs and not
+    for others (measured on v5e: a program whose HBM buffers are 160 MiB
+    reports a 272 MiB peak, 112 MiB of it color 1), so a small program's
+    peak can be mostly on-chip memory.
     The sum of the color-0 allocations is what the program holds in HBM
     while it runs: arguments, outputs (an output that reuses an argument's
     buffer counted once), constants, and the preallocated temporary buffer
