@@ -123,4 +123,4 @@ def test_the_guard_of_a_batch_sharded_read_does_not_depend_on_the_partition(tmp_
     assert len(loops) == 1, loops
     # Counter, carry shard, xs shard, ys shard: nothing else rides along the loop.
     operands = re.sub(r"\{[\d,]*\}", "", loops[0]).split(", ")
-    assert operands == ["s64[]", "f32[2,32]", "f32[3,2,32]", "f32[3,2,32]"], operands
+    assert operands == ["s32[]", "f32[2,32]", "f32[3,2,32]", "f32[3,2,32]"], operands

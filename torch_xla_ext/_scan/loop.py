@@ -120,7 +120,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     guarded = cpu_codegen()
 
     builder = xb.create_builder(computation_name(name, guarded))
-    shapes = [xb.mkshape(xb.Type.S64, ())]
+    shapes = [xb.mkshape(xb.Type.S32, ())]
     shapes += [xb.tensor_shape(t) for t in traced.carry_ph]
     shapes += [xb.mkshape(xb.Op.from_torch_type(t.dtype), (length, *t.shape)) for t in traced.x_ph]
     # One stacked buffer per y (packing them by dtype compiles faster on CPU
@@ -134,13 +134,13 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
     body = xb.computation_from_module_proto(name + "_step", ctx.hlo())
 
     def cond_fn(i, *_rest):
-        return i < xb.Op.scalar(i.builder(), length, dtype=xb.Type.S64)
+        return i < xb.Op.scalar(i.builder(), length, dtype=xb.Type.S32)
 
     def body_fn(*flat):
         ops = layout.split(flat)
         b = ops.i.builder()
-        zero = xb.Op.scalar(b, 0, dtype=xb.Type.S64)
-        idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S64) - ops.i if reverse else ops.i
+        zero = xb.Op.scalar(b, 0, dtype=xb.Type.S32)
+        idx = xb.Op.scalar(b, length - 1, dtype=xb.Type.S32) - ops.i if reverse else ops.i
         bound = runtime_bound(ops.i) if guarded else None
         args: list[Any] = [None] * num_params
         slices = [_guard(bound, _sizes(x)[1:], x.shape().dtype)(_slice_op(x, idx, zero)) for x in ops.xs]
@@ -150,7 +150,7 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
         for pid, op in zip(constant_ids, ops.constants):
             args[pid] = op
         if layout.has_seed:
-            args[seed_id] = ops.seed + idx
+            args[seed_id] = ops.seed + idx.cast(xb.Type.S64)
         result = xb.Op.call(body, args)
         new_carry = [result.get_tuple_element(k) for k in range(layout.num_carry)]
         new_ys = []
@@ -158,13 +158,13 @@ def _lower(traced: _Traced, length: int, reverse: bool, name: str) -> _Loop:
             y = result.get_tuple_element(layout.num_carry + k)
             y = _scalar_guard(bound, _sizes(y), y.shape().dtype)(y)
             new_ys.append(_update_op(stacked, y, idx, zero))
-        one = xb.Op.scalar(b, 1, dtype=xb.Type.S64)
+        one = xb.Op.scalar(b, 1, dtype=xb.Type.S32)
         return xb.Op.tuple(layout.join(ops._replace(i=ops.i + one, carry=new_carry, ys=new_ys)))
 
     # The counter starts from a constant, not from parameter 0 (which the call
     # still passes): the loop then has the counted form whose trip count the
     # HLO reader reads (HloModule.while_loops()), for tpu.compile's costs.
-    operands[0] = xb.Op.scalar(builder, 0, dtype=xb.Type.S64)
+    operands[0] = xb.Op.scalar(builder, 0, dtype=xb.Type.S32)
     computation = xb.Op.mkwhile(operands, cond_fn, body_fn).build(computation_name(name, guarded))
     return _Loop(computation, layout, tuple((tuple(y.shape), y.dtype) for y in traced.ys), tuple(constants))
 
@@ -188,7 +188,7 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         # (8 bytes host->device; nothing moves device->host.)
         seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(device)
     operands = _Groups(
-        i=torch.zeros((), dtype=torch.int64, device=device),
+        i=torch.zeros((), dtype=torch.int32, device=device),
         carry=list(init),
         xs=list(xs),
         ys=[torch.zeros((length, *shape), dtype=dtype, device=device) for shape, dtype in loop.y_shapes],
