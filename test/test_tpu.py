@@ -9,6 +9,7 @@ and zero bytes moved to the host.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -132,6 +133,30 @@ def test_a_scan_costs_its_body_once_per_trip(device, mesh):
     assert unrolled.flops < long.flops < 1.01 * unrolled.flops
     # Collectives in the body count once per trip: the 2-trip scan's gathers, 4 times over.
     assert long.collectives["all-gather"] == tuple(4 * n for n in short.collectives["all-gather"])
+
+
+def test_the_compiler_allocates_a_scans_stacked_outputs_without_filling_them(device, mesh, monkeypatch):
+    # The loop writes every row of its stacked outputs; the TPU compiler sees that only from a counter it
+    # can follow (an s64 counter, split into two u32 halves on TPU, hid it), and then allocates the rows
+    # instead of zero-filling them first: a pass over every row, and code that grew with the length.
+    compiled = []
+    real = tpu.compile_hlo
+    monkeypatch.setattr(tpu, "compile_hlo", lambda *a, **k: compiled.append(real(*a, **k)) or compiled[-1])
+    length = 6
+    torch.manual_seed(0)
+    h = torch.randn(64, 256).to(device)
+    w = torch.randn(length, 256, 256).to(device)
+    xs.mark_sharding(h, mesh, ("fsdp", None))
+    xs.mark_sharding(w, mesh, (None, "fsdp", None))
+    with tpu.lowering():
+        c, ys = txe.scan(lambda c, w: (torch.tanh(c @ w), c * 2), h, w)
+        tpu.compile([c, ys], topology="v5e:2x4")
+    text = compiled[0].hlo_modules()[0].to_string()
+    entry = text[text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}\n")]
+    rows = f"f32[{length},8,256]"  # ys per chip: the batch is sharded 8 ways
+    assert re.search(re.escape(rows) + r"\S* custom-call\(\), custom_call_target=\"AllocateBuffer\"", entry), entry
+    assert not re.search(re.escape(rows) + r"\S* broadcast\(", entry), entry
 
 
 def test_hbm_buffers_are_memory_space_0_of_the_buffer_assignment(tmp_path):
