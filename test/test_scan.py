@@ -443,6 +443,8 @@ def test_bad_inputs_raise_clear_errors(device):
         txe.scan(None, c, None, length=1)
     with pytest.raises(ValueError, match="non-negative"):
         txe.scan(ok, c, None, length=-1)
+    with pytest.raises(ValueError, match="32-bit counter"):  # the loop counter is s32
+        txe.scan(ok, c, None, length=2**31)
 
 
 def test_errors_are_catchable_as_torch_xla_raises_them(device):

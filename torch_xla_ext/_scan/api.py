@@ -19,7 +19,7 @@ from .cache import _cached_plan, _Plan, global_state
 from .dynamo import refused_under_compile
 from .errors import ScanInputError, ScanUnsupportedError
 from .guard import describe_callable, one_call_at_a_time, refuse_nested
-from .loop import _lower, _run
+from .loop import MAX_LENGTH, _lower, _run
 from .sharding import _canonical_specs, _shard_like
 from .state import ReachableState
 from .trace import (Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates,
@@ -208,6 +208,9 @@ def scan(
         length = int(first.shape[0])
         xs_l = [leaf for _, leaf in x_named]
 
+    if length > MAX_LENGTH:
+        raise ScanInputError(f"scan: {length} iterations are more than the loop's 32-bit counter counts (at most "
+                             f"{MAX_LENGTH}); split the scan into consecutive scans")
     carry_l, ys_full = _scan_flat(fn, init_spec, x_spec, init_l, xs_l, length, reverse, partition_fn, is_fn_pure)
     return pytree.tree_unflatten(carry_l, init_spec), pytree.tree_unflatten(ys_full[0], ys_full[1])
 

@@ -14,6 +14,13 @@ from .backend import _guard, _scalar_guard, computation_name, cpu_codegen, runti
 from .trace import _signature, _Traced
 
 
+#: The most iterations one loop runs. Its counter is s32: the TPU compiler
+#: splits a 64-bit integer into two 32-bit halves, and behind a split counter
+#: it no longer sees that the loop writes every row of its stacked outputs
+#: (it then fills them with zeros first, a pass and code that grow with L).
+MAX_LENGTH = 2**31 - 1
+
+
 class _Groups(NamedTuple):
     """A loop's operands (or results) by role."""
 
