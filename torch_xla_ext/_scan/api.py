@@ -132,7 +132,8 @@ def scan(
       init: pytree of XLA tensors, the initial carry.
       xs: pytree of XLA tensors sharing a leading dimension N, or None (then
         ``length`` is required and ``fn`` receives ``x=None``).
-      length: N; required when ``xs`` is None, checked against ``xs`` otherwise.
+      length: N; required when ``xs`` is None, checked against ``xs`` otherwise;
+        at most ``2**31 - 1`` (the loop's counter is 32-bit).
       reverse: walk ``xs`` from the end; ``ys[i]`` still belongs to ``xs[i]``.
       partition_fn: (may be given by position, as in torch_xla's ``scan``)
         AOTAutograd partitioner deciding what the forward loop
