@@ -231,6 +231,12 @@ def _holder_state_dict(holder: nn.Module, state_dict: dict, prefix: str, local_m
     state_dict.update(saved)
 
 
+def _size_mismatch(key: str, value: torch.Tensor, stacked: torch.Tensor) -> str:
+    """``load_state_dict``'s message for a per-layer value whose shape is not a row of ``stacked``."""
+    return (f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "
+            f"the shape in current model is {tuple(stacked.shape[1:])}.")
+
+
 def _holder_loaded(holder: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
                    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """Load pre-hook on a holder: a ``load_state_dict`` of a layer or holder alone writes its slices in place.
@@ -248,8 +254,7 @@ def _holder_loaded(holder: nn.Module, state_dict: dict, prefix: str, local_metad
         value = state_dict.pop(key)
         p = container._parameters[ckey]
         if tuple(value.shape) != tuple(p.shape[1:]):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
-                              f"checkpoint, the shape in current model is {tuple(p.shape[1:])}.")
+            error_msgs.append(_size_mismatch(key, value, p))
             continue
         with torch.no_grad():
             p[index].copy_(value.detach())
@@ -265,7 +270,8 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
     module.__dict__[_LOADING] = True  # the holders' own hooks stand aside (until the post hook)
     rows = _rows(module)
     for name, key in module.__dict__[_NAMES].items():
-        count = module._parameters[key].shape[0]
+        p = module._parameters[key]
+        count = p.shape[0]
         keys = {row: f"{prefix}{child}.{name}" for row, child in rows.items()}
         have = {row: k for row, k in keys.items() if k in state_dict}
         if not have:
@@ -276,13 +282,10 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
             error_msgs.append(f"{prefix + key} and {have[next(iter(have))]} both given: a stacked parameter "
                               f"is loaded from its per-layer keys or from its own, not both.")
             continue
-        p = module._parameters[key]
         values = {i: state_dict.pop(k) for i, k in have.items()}
         bad = [(have[i], v) for i, v in values.items() if tuple(v.shape) != tuple(p.shape[1:])]
         if bad:
-            k, v = bad[0]
-            error_msgs.append(f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from "
-                              f"checkpoint, the shape in current model is {tuple(p.shape[1:])}.")
+            error_msgs.append(_size_mismatch(*bad[0], p))
             continue
         with torch.no_grad():
             if set(values) == set(range(count)):
