@@ -155,6 +155,23 @@ def test_a_single_layers_state_dict_and_load_state_dict_see_its_slices(device):
         stacked[2].load_state_dict({k: v for k, v in new.items() if k != "up.bias"})
 
 
+def test_a_load_that_raised_midway_does_not_make_a_later_single_layer_load_skip_its_slices(device):
+    # The list's load pre-hook takes the per-layer keys and the holders' hooks stand aside for that load;
+    # a load that raises before the list's post-hook must not leave them standing aside for the next one.
+    def fail(*args):
+        raise ValueError("boom")
+
+    plain, stacked = _stacked_copy(device)
+    boom = stacked[1].register_load_state_dict_pre_hook(fail)
+    with pytest.raises(ValueError, match="boom"):
+        stacked.load_state_dict(plain.state_dict())
+    boom.remove()
+    new = {k: torch.full_like(v.cpu(), 5.0) for k, v in plain[2].state_dict().items()}
+    assert not stacked[2].load_state_dict(new).missing_keys
+    torch_xla.sync()
+    assert torch.equal(stacked[2].up.weight.cpu(), torch.full((H, D), 5.0))
+
+
 def test_load_state_dict_from_a_per_layer_checkpoint_keeps_the_sharding(device, mesh_1d):
     _, stacked = _stacked_copy(device, mesh_1d)
     source = make_blocks(L, D, H, seed=3)

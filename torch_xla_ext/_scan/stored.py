@@ -29,6 +29,7 @@ Each holder module's class becomes a subclass of its class (same name) whose
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -42,13 +43,19 @@ __all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage
 _LAYER = "_txe_stacked_layer"   # on each layer: (container, index)
 _SLOTS = "_txe_stacked_slots"   # on each holder: {local name: (container, key, index)}
 _NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
-_LOADING = "_txe_stacked_loading"  # on the container: a load_state_dict of it (or above) is under way
 
 #: The attributes this module keeps on layers and holders: bookkeeping, not what a forward computes
 #: (``scan_layers`` does not compare them between layers; the index in them differs by design).
 RECORDS = frozenset({_LAYER, _SLOTS})
 
 _holder_classes: dict[type, type] = {}
+
+# Container -> each per-layer key its load pre-hook handled in the load under way, with the holder module
+# whose own hook must then stand aside. Keys, not a flag: a load that raised between the list's pre- and
+# post-hook leaves an entry behind, and a later load of a layer or holder alone names that holder by a
+# shorter key (relative to where that load started), so it still writes its slices.
+# The holders are held weakly: they refer to the container, which must stay collectable.
+_loads: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 def is_stacked(holder: nn.Module, name: str) -> bool:
@@ -245,7 +252,8 @@ def _holder_loaded(holder: nn.Module, state_dict: dict, prefix: str, local_metad
     these keys already (and reports what is missing).
     """
     for local, (container, ckey, index) in holder.__dict__[_SLOTS].items():
-        if holder._parameters.get(local) is not None or container.__dict__.get(_LOADING):
+        handled = _loads.get(container, {}).get(prefix + local)
+        if holder._parameters.get(local) is not None or (handled is not None and handled() is holder):
             continue
         key = prefix + local
         if key not in state_dict:
@@ -267,12 +275,15 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
 
     missing: list[str] = module.__dict__.setdefault("_txe_stacked_missing", [])
     missing.clear()
-    module.__dict__[_LOADING] = True  # the holders' own hooks stand aside (until the post hook)
+    handled = _loads[module] = {}  # the holders' own hooks stand aside for these keys (until the post hook)
     rows = _rows(module)
     for name, key in module.__dict__[_NAMES].items():
         p = module._parameters[key]
         count = p.shape[0]
         keys = {row: f"{prefix}{child}.{name}" for row, child in rows.items()}
+        holder_name = name.rpartition(".")[0]
+        for row, child in rows.items():
+            handled[keys[row]] = weakref.ref(module._modules[child].get_submodule(holder_name))
         have = {row: k for row, k in keys.items() if k in state_dict}
         if not have:
             if prefix + key not in state_dict:  # (the stacked key itself loads as any parameter does)
@@ -305,7 +316,7 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
 
 def _name_missing_layers(module: nn.ModuleList, incompatible: Any) -> None:
     """Load post-hook: report a stacked name missing from a checkpoint by its per-layer keys, not its own."""
-    module.__dict__[_LOADING] = False
+    _loads.pop(module, None)
     missing: list[str] = module.__dict__.get("_txe_stacked_missing", [])
     stacked_keys = set(module.__dict__[_NAMES].values())
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
