@@ -136,9 +136,7 @@ def test_a_scan_costs_its_body_once_per_trip(device, mesh):
 
 
 def test_the_compiler_allocates_a_scans_stacked_outputs_without_filling_them(device, mesh, monkeypatch):
-    # The loop writes every row of its stacked outputs; the TPU compiler sees that only from a counter it
-    # can follow (an s64 counter, split into two u32 halves on TPU, hid it), and then allocates the rows
-    # instead of zero-filling them first: a pass over every row, and code that grew with the length.
+    # Why the loop counter is s32 (_scan/loop.py, MAX_LENGTH): the rows are allocated, not zero-filled first.
     compiled = []
     real = tpu.compile_hlo
     monkeypatch.setattr(tpu, "compile_hlo", lambda *a, **k: compiled.append(real(*a, **k)) or compiled[-1])
