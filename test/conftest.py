@@ -24,6 +24,10 @@ import os
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
 
+from torch_xla_ext._cpu_threads import widen_cpu_client_threads  # noqa: E402
+
+widen_cpu_client_threads()  # the package was imported (as a pytest plugin) before the line above
+
 import random  # noqa: E402
 import sys  # noqa: E402
 

@@ -12,11 +12,12 @@ import torch_xla
 
 import torch_xla_ext as txe
 from torch_xla_ext.__main__ import main
+from torch_xla_ext._cpu_threads import _cores
 
 
 def test_demo_runs_on_default_cpu_devices():
     # Unset as for a user who chose nothing (importing torch_xla here set TF_CPP_MIN_LOG_LEVEL=1).
-    unset = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TF_CPP_MIN_LOG_LEVEL")
+    unset = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "PJRT_NPROC", "TF_CPP_MIN_LOG_LEVEL")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     proc = subprocess.run(
         [sys.executable, "-m", "torch_xla_ext", "demo", "--layers", "2", "--width", "64", "--steps", "2"],
@@ -27,6 +28,7 @@ def test_demo_runs_on_default_cpu_devices():
     assert "GSPMD sharding propagation" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     out = proc.stdout
     assert "8 devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=8" in out
+    assert ("PJRT_NPROC=16" in out) == (_cores() < 16)  # twice the devices on a machine with fewer cores
     # The parameter table: one row per HLO parameter, one RNG seed, one input, the rest hoisted weights.
     declared = int(re.search(r"HLO module .*?(\d+) parameters", out).group(1))
     kinds = [line.split()[-1] for line in out.splitlines() if re.match(r"\d+\s+p\d+", line)]

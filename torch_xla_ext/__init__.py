@@ -7,6 +7,7 @@ costs nothing to test suites that do not use XLA.
 
 from __future__ import annotations
 
+from ._cpu_threads import widen_cpu_client_threads
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
 from .recompile_guard import RecompileError, no_recompiles
@@ -20,6 +21,8 @@ from .transfer_guard import (
     transfer_guard_device_to_host,
     transfer_guard_host_to_device,
 )
+
+widen_cpu_client_threads()  # before torch_xla's CPU client exists (see _cpu_threads)
 
 __version__ = "0.1.0"
 

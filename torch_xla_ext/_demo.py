@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ._cpu_threads import widen_cpu_client_threads
 from ._format import format_bytes, parse_tiled_spec
 
 __all__ = ["run_demo"]
@@ -40,7 +41,9 @@ def _default_to_cpu_devices(num_devices: int) -> str:
         return "TPU detected; PJRT_DEVICE left to torch_xla"
     os.environ["PJRT_DEVICE"] = "CPU"
     os.environ.setdefault("CPU_NUM_DEVICES", str(num_devices))
-    return f"PJRT_DEVICE=CPU, CPU_NUM_DEVICES={os.environ['CPU_NUM_DEVICES']} (no device chosen, no TPU found)"
+    threads = widen_cpu_client_threads()
+    more = f", PJRT_NPROC={threads}" if threads else ""
+    return f"PJRT_DEVICE=CPU, CPU_NUM_DEVICES={os.environ['CPU_NUM_DEVICES']}{more} (no device chosen, no TPU found)"
 
 
 # XLA's C++ logging: 2 hides INFO and WARNING lines and keeps ERROR ones. Left
