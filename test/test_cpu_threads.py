@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 
-from child_process import run_surviving
+from child_process import SPMD_CHILD, run_surviving
 from torch_xla_ext import _cpu_threads
 from torch_xla_ext._cpu_threads import widen_cpu_client_threads
 
@@ -46,28 +48,25 @@ def test_sharded_matmuls_between_all_reduces_run_after_importing_the_package(tmp
     # The program that aborted this 2-core machine's process in 4 of 5 runs with XLA's 8 threads (each device
     # multiplies its [128, 512] rows by a [512, 512], then all devices add up a sum, eight times a step): the
     # package's import sets the threads before the client exists, and the child finishes.
-    source = '''
-import os
-os.environ.pop("PJRT_NPROC", None)  # inherited from this suite's process: the import below must set it
-import torch_xla_ext
-from torch_xla_ext._cpu_threads import _cores
-import numpy as np, torch, torch_xla, torch_xla.runtime as xr
-import torch_xla.distributed.spmd as xs
-import torch_xla.core.xla_model as xm
-xr.use_spmd()
-mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
-torch.manual_seed(0)
-h = torch.randn(8 * 128, 512).to(torch_xla.device())
-xs.mark_sharding(h, mesh, ("fsdp", None))
-w = (torch.randn(512, 512) / 512 ** 0.5).to(torch_xla.device())
-for step in range(30):
-    for _ in range(8):
-        h = torch.tanh(h @ w)
-        h = h + h.sum() * 1e-9
-    torch_xla.sync()
-xm.wait_device_ops()
-print(os.environ.get("PJRT_NPROC"), _cores(), torch.isfinite(h.cpu()).all().item())
-'''
+    source = textwrap.dedent("""
+        import os
+        os.environ.pop("PJRT_NPROC", None)  # inherited from this suite's process: the import below must set it
+        import torch_xla_ext
+        from torch_xla_ext._cpu_threads import _cores
+    """) + SPMD_CHILD + textwrap.dedent("""
+        import torch_xla.core.xla_model as xm
+        torch.manual_seed(0)
+        h = torch.randn(8 * 128, 512).to(dev)
+        xs.mark_sharding(h, mesh, ("fsdp", None))
+        w = (torch.randn(512, 512) / 512 ** 0.5).to(dev)
+        for step in range(30):
+            for _ in range(8):
+                h = torch.tanh(h @ w)
+                h = h + h.sum() * 1e-9
+            torch_xla.sync()
+        xm.wait_device_ops()
+        print(os.environ.get("PJRT_NPROC"), _cores(), torch.isfinite(h.cpu()).all().item())
+    """)
     threads, cores, finite = run_surviving(tmp_path, source).split()
     assert threads == ("16" if int(cores) < 16 else "None")
     assert finite == "True"
