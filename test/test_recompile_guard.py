@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch_xla
+import torch_xla.distributed.spmd as xs
 
 import torch_xla_ext as txe
 
@@ -68,6 +69,43 @@ def test_nested_guards_each_judge_their_block(device):
                 with txe.no_recompiles():
                     _step(torch.randn(9, 3, device=device), w)
     assert "f32[9,3]" in str(outer.value)  # the inner compile is the outer block's too
+
+
+def test_a_changed_output_sharding_is_named(device, mesh_1d):
+    w = torch.randn(3, 16, device=device)
+    torch_xla.sync()
+
+    def step(spec):
+        y = torch.tanh(torch.ones(40, 3, device=device) @ w)  # 40 rows: a shape no other test compiles
+        xs.mark_sharding(y, mesh_1d, spec)
+        torch_xla.sync()
+        return y
+
+    step((None, None))  # compiles, outside the guard
+    with pytest.raises(txe.RecompileError) as caught:
+        with txe.no_recompiles():
+            step((None, None))  # cached
+            step((None, mesh_1d.axis_names[0]))  # the same ops and shapes, sharded over the columns
+    message = str(caught.value)
+    assert "shardings: before output f32[40,16] {replicated}; now output f32[40,16] {devices=" in message, message
+    assert "ops:" not in message and "inputs:" not in message, message
+
+
+def test_the_pending_graph_lists_each_node_once_and_only_pending_outputs(device):
+    from torch_xla_ext.recompile_guard import _pending_ir, _summary
+
+    base = torch.randn(5, device=device)
+    torch_xla.sync()
+    chain = [base * 2]  # base now also holds an IR value (its device data), but no pending one
+    for _ in range(39):
+        chain.append(chain[-1] + 1)  # each a pending output whose graph holds all the adds before it
+    summary = _summary(_pending_ir())
+    assert summary[("output", "f32[5]")] == 40, summary
+    assert summary[("op", "aten::add -> f32[5]{0}")] == 39, summary  # not 1 + 2 + ... + 39
+    assert summary[("input", "f32[5]{0}")] == 1, summary
+    torch_xla.sync()
+    assert _pending_ir() == ""
+    del chain
 
 
 @pytest.mark.no_recompiles

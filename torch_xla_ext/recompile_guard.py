@@ -9,16 +9,24 @@ exactly the block; on exit it raises :class:`RecompileError` if any happened.
 What changed. The first guard opened in the process wraps ``torch_xla.sync``
 (``xm.mark_step`` calls it) for the rest of the process; a wrapped sync made
 inside a guarded block records where it was called (the innermost frame
-outside torch, torch_xla and this package) and the IR of the tensors it is
-about to compile (``torch_xla._XLAC._xla_tensors_report``: each pending
-tensor's graph with shapes and ops). When a sync compiles, the error compares
+outside torch, torch_xla and this package) and the IR it is about to compile:
+the XLA tensors Python holds whose values are pending, in torch_xla's sync
+order, and their graph dumped once (``torch_xla._XLAC._get_xla_tensors_text``),
+each node a single time however many tensors share it. A pending value that
+only torch holds (a tensor autograd saved for backward) is compiled too, but
+its own ops are missing from the diff. When a sync compiles, the error compares
 that program with the one the same call site synced last under a guard, as
-multisets of inputs (shape and dtype), outputs, sharding annotations and ops
-with their output shapes, and lists what only one of them has: an input that
-grew a row, an op that appeared, a changed sharding. A compile made elsewhere (a host read such as ``.cpu()`` or
+multisets of inputs (shape and dtype), outputs, the outputs' shardings and
+ops with their output shapes, and lists what only one of them has: an input
+that grew a row, an op that appeared, an output sharded another way.
+torch_xla's IR text shows no sharding of an input or of an intermediate
+value, so a compile caused by one of those is reported as a graph that did
+not change. A compile made elsewhere (a host read such as ``.cpu()`` or
 ``.item()`` that runs pending work, a ``sync`` imported by name before the
-first guard) is counted and reported without a diff. Reading the IR costs
-time proportional to the pending graphs, in guarded blocks only.
+first guard) is counted and reported without a diff. Reading the IR costs,
+in guarded blocks only, a walk over Python's tracked objects and time
+proportional to the pending graph (not to its size times the number of
+pending tensors, as torch_xla's live tensors report does).
 
 Threads: torch_xla's metrics are process-wide, so a compile made by another
 thread during the block is counted too; the error says which other Python
@@ -29,10 +37,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from ._frames import user_frame
 from ._transfer.metrics import _metric
@@ -62,7 +73,10 @@ _lock = threading.Lock()
 _last_ir: dict[str, str] = {}  # call site -> the normalized IR it synced last under a guard
 _LAST_IR_SITES = 256
 _installed = False
-_ID = re.compile(r"^Tensor: id=\d+, ")
+_OUTPUT, _OUTPUT_SHARDING = "Tensor: shape=", " sharding="  # an output line of _pending_ir()
+_INFO_SHARDING = re.compile(r"^ShardingSpec: (.+)$", re.MULTILINE)
+_INFO_ID = re.compile(r"^TensorID: (\d+)$", re.MULTILINE)
+_INFO_SHAPE = re.compile(r"^XLA Shape: (\S+)$", re.MULTILINE)
 
 
 def _blocks() -> list[_Block]:
@@ -73,37 +87,66 @@ def _compile_count() -> int:
     return _metric("CompileTime")[0]
 
 
-def _pending_ir() -> str:
-    """The graphs of the live tensors that a sync would compile, without tensor ids, in a stable order."""
+def _pending_tensors() -> list[tuple[str, torch.Tensor]]:
+    """(output line, tensor) of each XLA tensor Python holds whose value a sync would compute, by tensor id."""
     import torch_xla
 
-    report = torch_xla._XLAC._xla_tensors_report(1, "")
-    blocks = [_ID.sub("Tensor: ", b.strip()) for b in report.split("\n\n\n") if b.strip()]
-    return "\n".join(sorted(blocks))
+    info_of = torch_xla._XLAC._get_xla_tensor_debug_info
+    is_tensor_type: dict[type, bool] = {}
+    pending = {}
+    for obj in gc.get_objects():
+        kind = type(obj)
+        known = is_tensor_type.get(kind)
+        if known is None:
+            known = is_tensor_type[kind] = issubclass(kind, torch.Tensor)
+        if not known:
+            continue
+        info = info_of(obj)  # "Not a XLATensor" for any other tensor; unlike .device, never calls Python code
+        # Pending: an IR value and no device data (a tensor holding data keeps a device_data node as its IR).
+        if "\nIR: None" in info or "\nXLAData: None" not in info:
+            continue
+        ident, shape, sharding = (pattern.search(info) for pattern in (_INFO_ID, _INFO_SHAPE, _INFO_SHARDING))
+        if ident is None or shape is None or sharding is None:
+            raise RuntimeError(f"no_recompiles(): unexpected torch_xla tensor debug info (torch_xla changed?):\n{info}")
+        line = _OUTPUT + shape.group(1)
+        if sharding.group(1) != "None":
+            line += _OUTPUT_SHARDING + sharding.group(1)
+        pending[int(ident.group(1))] = (line, obj)
+    return [pending[ident] for ident in sorted(pending)]
 
 
-_NODE = re.compile(r"^\s*%\d+ = (\S+) ([\w:.]+)\(.*?\)(.*)$")
-_SHARDING = re.compile(r"sharding=(\{[^}]*\})")
+def _pending_ir() -> str:
+    """The pending outputs and their graph, each node once, without tensor ids, in torch_xla's sync order."""
+    import torch_xla
+
+    pending = _pending_tensors()
+    if not pending:
+        return ""
+    text = torch_xla._XLAC._get_xla_tensors_text([tensor for _, tensor in pending])
+    return "\n".join(line for line, _ in pending) + "\n" + text
+
+
+_NODE = re.compile(r"^\s*%\d+ = (\S+) ([\w:.]+)\(")
 
 
 def _summary(ir: str) -> collections.Counter:
-    """What a compiled program depends on, as a multiset: inputs, ops with their output shapes, shardings, outputs."""
+    """What a compiled program depends on, as a multiset: inputs, ops with their output shapes, outputs, their shardings."""
     items: collections.Counter = collections.Counter()
     for line in ir.splitlines():
-        if line.startswith("Tensor: "):
-            items[("output", line.split("shape=", 1)[-1].split(",", 1)[0])] += 1
+        if line.startswith(_OUTPUT):
+            shape, _, sharding = line[len(_OUTPUT):].partition(_OUTPUT_SHARDING)
+            items[("output", shape)] += 1
+            if sharding:
+                items[("sharding", f"output {shape} {sharding}")] += 1
             continue
         node = _NODE.match(line)
         if node is None:
             continue
-        shape, op, rest = node.groups()
+        shape, op = node.groups()
         if op == "xla::device_data":
             items[("input", shape)] += 1
         else:
             items[("op", f"{op} -> {shape}")] += 1
-        sharding = _SHARDING.search(rest)
-        if sharding is not None:
-            items[("sharding", f"{op} {shape} {sharding.group(1)}")] += 1
     return items
 
 
@@ -171,7 +214,8 @@ def _report(block: _Block, total: int) -> str:
                          "step earlier to see what changed)")
         elif not c.changes:
             lines.append("    the pending graph is the same as this call site's last one; what differs is "
-                         "outside it (input shardings or layouts, or a graph cached out)")
+                         "not in torch_xla's IR text (an input's or an intermediate's sharding, a layout, or "
+                         "a graph cached out)")
         else:
             lines.append("    what changed against this call site's last graph (what only it had; what only the "
                          "new one has):")
