@@ -7,8 +7,10 @@ parameter), so a training step of a 70B model lowers here with no weights.
 Two things torch_xla cannot do with it:
 
 - **Execute it.** A program reading a placeholder that gets executed is a
-  segmentation fault in torch_xla 2.9 (measured). Only lower it, and do so in
-  a process of its own (:mod:`torch_xla_ext.tpu_fit` does).
+  segmentation fault in torch_xla 2.9 (measured). Only lower it, and let every
+  tensor whose pending graph reads one go before anything syncs
+  (:func:`torch_xla_ext.tpu_fit.compile_step` collects its model before it
+  returns; nothing recorded here holds a parameter).
 - **Mark its sharding.** ``mark_sharding`` shards the data, and there is none
   ("Data does not present on any device"). :func:`mark_placeholder` instead
   annotates the placeholder's value in the graph (a ``Sharding`` custom call
@@ -58,7 +60,9 @@ def mark_placeholder(t: torch.Tensor, sharding: Any) -> None:
     """
     if not is_placeholder(t):
         raise ValueError("mark_placeholder: the tensor is not a placeholder (or was annotated already)")
-    data = t.clone()  # the same device-data node, under a tensor of its own
+    # The same device-data node, under a tensor of its own: detached, or its autograd node would hold
+    # ``t`` (a parameter's gradient accumulator) and the map's entry would never let its key go.
+    data = t.detach().clone()
     xlac()._xla_annotate_custom_sharding(t, sharding)
     _marked[t] = (data, xlac()._get_xla_sharding_spec(t))
 

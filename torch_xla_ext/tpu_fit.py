@@ -32,6 +32,7 @@ data loading, no KV cache (``prepare`` turns it off for training).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import resource
@@ -259,7 +260,19 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
     (random weights and tokens, one step executed first so the moments
     exist): what the test compares the shape-only program with, on a model
     small enough to hold.
+
+    The shape-only step's pending graph reads placeholders, and a sync that
+    executed it would crash the process; it goes with the model, whose
+    reference cycles are collected before this returns, so the process may
+    go on to execute other work.
     """
+    report = _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes)
+    if from_shapes:
+        gc.collect()
+    return report
+
+
+def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool) -> FitReport:
     import numpy as np
     import torch
     import torch_xla.distributed.spmd as xs
