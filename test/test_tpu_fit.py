@@ -85,6 +85,31 @@ def test_shape_only_step_compiles_to_the_real_steps_figures(config_file):
         assert compiled["fits"] and report["host_rss_bytes"] > 0
 
 
+def test_a_shape_only_step_that_raised_leaves_nothing_that_a_later_sync_would_execute(config_file):
+    # The caller keeps the error (as pytest.raises does): its traceback held the failed step's locals,
+    # and a sync then executed their graph over placeholders (a segmentation fault).
+    source = textwrap.dedent(f"""
+        import os, torch, torch_xla
+        from torch_xla_ext import _placeholders, tpu, tpu_fit
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("no compile today")
+
+        tpu._compile = refuse
+        try:
+            tpu_fit.compile_step({config_file!r}, "v5e:2x4", batch=16, seq=32, path="loop")
+        except RuntimeError as error:
+            kept = error
+        print("placeholders left:", len(_placeholders._marked), flush=True)
+        print("executed:", (torch.arange(4.0, device=torch_xla.device()) * 2).sum().item(), flush=True)
+        os._exit(0)
+    """)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "placeholders left: 0" in proc.stdout and "executed: 12.0" in proc.stdout, proc.stdout
+
+
 def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
     png = tmp_path / "fit.png"
     proc = subprocess.run([sys.executable, "-m", "torch_xla_ext", "tpu-fit", "--config", config_file,

@@ -39,6 +39,7 @@ import resource
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -263,13 +264,18 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
 
     The shape-only step's pending graph reads placeholders, and a sync that
     executed it would crash the process; it goes with the model, whose
-    reference cycles are collected before this returns, so the process may
-    go on to execute other work.
+    reference cycles are collected before this returns or raises, so the
+    process may go on to execute other work.
     """
-    report = _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes)
-    if from_shapes:
-        gc.collect()
-    return report
+    try:
+        return _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes)
+    except BaseException as error:
+        if from_shapes:  # the error's traceback would keep the failed step's locals, and its graph, alive
+            traceback.clear_frames(error.__traceback__)
+        raise
+    finally:
+        if from_shapes:
+            gc.collect()
 
 
 def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool) -> FitReport:
