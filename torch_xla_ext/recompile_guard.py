@@ -130,7 +130,7 @@ _NODE = re.compile(r"^\s*%\d+ = (\S+) ([\w:.]+)\(")
 
 
 def _summary(ir: str) -> collections.Counter:
-    """What a compiled program depends on, as a multiset: inputs, ops with their output shapes, outputs, their shardings."""
+    """What a compiled program depends on, as a multiset: inputs, ops with output shapes, outputs, their shardings."""
     items: collections.Counter = collections.Counter()
     for line in ir.splitlines():
         if line.startswith(_OUTPUT):
