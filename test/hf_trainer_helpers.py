@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import pytest
 import torch
 import torch_xla.debug.metrics as met
-import torch_xla.distributed.spmd as xs
 import transformers
 
-from torch_xla_ext.hf import SPMDTrainer, prepare
+from torch_xla_ext.hf import SPMDTrainer
 
 VOCAB = 128
 
@@ -149,17 +146,3 @@ class TrainedRun:
     final: dict[str, torch.Tensor]  # the parameters when training ended
     out: object  # the output directory (pathlib.Path)
     rows: list
-
-
-@pytest.fixture(scope="session")
-def trained_llama(tmp_path_factory, num_devices) -> TrainedRun:
-    """One SPMDTrainer run of a prepared tiny Llama, shared by the Trainer and checkpoint tests (one compile)."""
-    out = tmp_path_factory.mktemp("trainer")
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
-    rows = token_rows(64, 12)
-    steps = StepCounts()
-    trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=run_arguments(out), train_dataset=rows,
-                             callbacks=[steps])
-    assert trainer.args.optim == "adamw_torch_fused"  # Trainer's default, left as the user gave it
-    trainer.train()
-    return TrainedRun(trainer, steps, host_state(trainer.model), out, rows)

@@ -1,11 +1,12 @@
-"""transformers' Trainer on a prepared model: the same losses as on the CPU, nothing read per step, no logits copied.
+"""transformers' Trainer on prepared models beyond the shared run: an interleaved Gemma 2, the best checkpoint.
 
-The CPU reference is plain ``transformers.Trainer`` with ``use_cpu=True`` on
-the same model, data and arguments, with ``optim="adamw_torch"``: our run
-keeps Trainer's default ``adamw_torch_fused`` and ``SPMDTrainer`` runs it
-unfused (no fused kernel exists for XLA), which is the same update.
-Tolerances: float32 over a few steps of AdamW on a tiny model (the recipe's
-own tests measured at most 4e-7 relative on losses); rel 1e-5.
+The interleaved Gemma 2's losses equal plain ``transformers.Trainer`` on the
+CPU (``use_cpu=True``, ``optim="adamw_torch"``, the unfused AdamW our run's
+default ``adamw_torch_fused`` becomes) within rel 1e-5 (float32, a few steps
+of a tiny model), with nothing read or gathered inside a step after the
+first. ``load_best_model_at_end`` loads the best checkpoint's shards, not the
+last state. A model that is not fully sharded is refused. The Llama run with
+Trainer's defaults, its checkpoints and its resume: ``test_hf_trainer_run.py``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch_xla.distributed.spmd as xs
-import transformers
 
+from torch_xla_ext.distributed.checkpoint import load_sharded
 from torch_xla_ext.hf import SPMDTrainer, prepare
+from torch_xla_ext.hf.trainer import SHARDED_CHECKPOINT_DIR
 
-from hf_trainer_helpers import RUN_STEPS, Counts, StepCounts, arguments, cpu_reference, losses, tiny, token_rows
+from hf_trainer_helpers import (CountedTrainer, StepCounts, arguments, cpu_reference, host_state, losses, tiny,
+                                token_rows)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -28,55 +31,9 @@ pytestmark = [
 ]
 
 
-def _eval_rows() -> list[dict[str, torch.Tensor]]:
-    """Four evaluation batches of 8 rows, of 16, 12, 8 and 16 tokens (one program per length)."""
-    rows = []
-    for k, seq in enumerate((16, 12, 8, 16)):
-        rows += token_rows(8, seq, seed=10 + k)
-    return rows
-
-
 @pytest.fixture(scope="module")
 def mesh(num_devices):
     return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
-
-
-def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(tmp_path, trained_llama):
-    trainer, steps = trained_llama.trainer, trained_llama.steps
-    reference = cpu_reference("llama", tmp_path / "cpu", trained_llama.rows, max_steps=RUN_STEPS, logging_steps=1,
-                              save_strategy="no")
-    assert len(losses(trainer)) == RUN_STEPS
-    assert losses(trainer) == pytest.approx(losses(reference), rel=1e-5)
-    # Inside every step after the first: nothing read on the host, nothing gathered.
-    for step, moved in enumerate(steps.inside[1:], start=2):
-        assert (moved.d2h, moved.gathers) == (0, 0), (step, moved)
-    # Steps 4 on compile nothing (a step's program compiles when the next batch is fetched).
-    assert len({c.compiles for c in steps.at_begin[3:]}) == 1, [c.compiles for c in steps.at_begin]
-
-    # Evaluation: eval_loss as on the CPU, a program per sequence length the first time and none after,
-    # and the logits stay on the device (only the per-row losses come to the host).
-    rows = _eval_rows()
-    expected = reference.evaluate(rows)["eval_loss"]
-    first = trainer.evaluate(rows)
-    middle = Counts.now()
-    second = trainer.evaluate(rows)
-    after = Counts.now()
-    assert first["eval_loss"] == pytest.approx(expected, rel=1e-5)
-    assert second["eval_loss"] == first["eval_loss"]
-    assert (after - middle).compiles == 0  # (the first compiles unless this process compiled the same programs)
-    logits_bytes = 8 * 8 * 128 * 4  # the smallest evaluation batch's float32 logits
-    assert (after - middle).gathers <= 1 and (after - middle).d2h_bytes < logits_bytes, after - middle
-
-    # save_model() after training writes Hugging Face's format, which from_pretrained reads on the CPU.
-    trainer.save_model(str(tmp_path / "final"))
-    saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "final"))
-    for key, value in saved.state_dict().items():
-        assert torch.equal(value, trainer.model.state_dict()[key].cpu()), key
-
-    # predict() returns the logits, as asked.
-    predicted = trainer.predict(rows[:8])
-    cpu_predicted = reference.predict(rows[:8])
-    np.testing.assert_allclose(predicted.predictions, cpu_predicted.predictions, rtol=1e-4, atol=1e-5)
 
 
 def test_trainer_trains_an_interleaved_gemma2_as_on_the_cpu(tmp_path, mesh):
@@ -94,3 +51,23 @@ def test_trainer_trains_an_interleaved_gemma2_as_on_the_cpu(tmp_path, mesh):
 def test_spmd_trainer_refuses_a_model_that_is_not_fully_sharded(tmp_path):
     with pytest.raises(TypeError, match="fully sharded"):
         SPMDTrainer(model=tiny("llama"), args=arguments(tmp_path))
+
+
+def test_load_best_model_at_end_reads_the_best_checkpoints_shards(tmp_path, mesh):
+    rows = token_rows(32, 12)
+    args = arguments(tmp_path, max_steps=2, logging_steps=1, save_steps=1, eval_strategy="steps", eval_steps=1,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    # greater_is_better=True on a falling loss: the best is the first evaluation, not the last state.
+    trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=args, train_dataset=rows,
+                             eval_dataset=rows[:8])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    expected = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-1" / SHARDED_CHECKPOINT_DIR, expected)
+    got, best = host_state(trainer.model), host_state(expected)
+    assert got.keys() == best.keys()
+    for key, value in best.items():
+        assert torch.equal(got[key], value), key
+    last = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-2" / SHARDED_CHECKPOINT_DIR, last)
+    assert not all(torch.equal(a, b) for a, b in zip(host_state(last).values(), best.values()))
