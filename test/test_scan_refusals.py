@@ -32,7 +32,6 @@ _CHILD = textwrap.dedent('''
     xr.use_spmd()
     import torch_xla_ext as txe
     dev = torch_xla.device()
-    torch.autograd.grad(torch.ones(2, device=dev).requires_grad_().sum(), [])  if False else None
     kept = []
 
     def f_item(c, x): return c + x * (c.sum().item() + 1), None
