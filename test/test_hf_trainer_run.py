@@ -14,7 +14,9 @@ Its checkpoints hold shards: the saves and loads gather nothing
 and resumes from step 3: its losses for steps 4-6 and its final parameters
 equal the uninterrupted run's exactly. The step-6 checkpoint loads into a
 model prepared on a 4 x 2 mesh: equal values, the new mesh's sharding, the
-optimizer's moments sharded like their parameters.
+optimizer's moments sharded like their parameters. Last, a second short run
+with ``load_best_model_at_end`` ends holding its best checkpoint's shards
+(placed here, after the first run: it reuses most of its compiled programs).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch_xla_ext.hf import prepare
 from torch_xla_ext.hf.trainer import SHARDED_CHECKPOINT_DIR
 
 from child_process import SPMD_CHILD, run_surviving
-from hf_trainer_helpers import (RUN_STEPS, SAVE_EVERY, Counts, CountedTrainer, StepCounts, TrainedRun,
+from hf_trainer_helpers import (RUN_STEPS, SAVE_EVERY, Counts, CountedTrainer, StepCounts, TrainedRun, arguments,
                                 cpu_reference, host_state, losses, run_arguments, tiny, token_rows)
 
 pytestmark = [
@@ -165,3 +167,24 @@ def test_a_checkpoint_loads_onto_another_mesh_sharded_again(trained_llama, num_d
         moment = optimizer.state[param]["exp_avg"]
         assert torch_xla._XLAC._get_xla_sharding_spec(moment) == spec, name
         assert torch.equal(moment.cpu(), saved[names[name]]["exp_avg"].cpu()), name
+
+
+def test_load_best_model_at_end_reads_the_best_checkpoints_shards(tmp_path, num_devices):
+    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+    rows = token_rows(32, 12)
+    args = arguments(tmp_path, max_steps=2, logging_steps=1, save_steps=1, eval_strategy="steps", eval_steps=1,
+                     load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    # greater_is_better=True on a falling loss: the best is the first evaluation, not the last state.
+    trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=args, train_dataset=rows,
+                             eval_dataset=rows[:8])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    expected = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-1" / SHARDED_CHECKPOINT_DIR, expected)
+    got, best = host_state(trainer.model), host_state(expected)
+    assert got.keys() == best.keys()
+    for key, value in best.items():
+        assert torch.equal(got[key], value), key
+    last = prepare(tiny("llama"), mesh)
+    load_sharded(tmp_path / "checkpoint-2" / SHARDED_CHECKPOINT_DIR, last)
+    assert not all(torch.equal(a, b) for a, b in zip(host_state(last).values(), best.values()))
