@@ -10,8 +10,9 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -176,6 +177,27 @@ def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
     return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)], marked
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xla")
+
+
+@contextlib.contextmanager
+def _as_captured() -> Iterator[None]:
+    """Run a captured graph as it was captured: with autocast off (on this thread, for the block).
+
+    AOTAutograd traced the step under the caller's autocast, so the graphs
+    hold its casts as ops. Run under autocast again, an op on autocast's
+    float32 list (softmax, say) would get a bfloat16 input cast up once more:
+    a dtype the graph did not record, and on XLA an HLO mixing bfloat16 and
+    float32 operands that the verifier rejects (scaled_dot_product_attention's
+    backward did).
+    """
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 def _replay(value: torch.Tensor, ops: list, barrier: bool) -> torch.Tensor:
     """Recompute a saved value from its input; behind an optimization barrier if ``barrier``."""
     if barrier:
@@ -268,7 +290,8 @@ class _GradPlan:
                 if not isinstance(src, _Stacked)]
 
     def _forward_step(self, carry, x, outside):
-        result = list(self.fw(*carry, *x, *outside))
+        with _as_captured():
+            result = list(self.fw(*carry, *x, *outside))
         n_out = self.n_c + self.num_y
         saved = result[n_out:]
         stacked = [saved[i] for i, src in enumerate(self.saved_src) if isinstance(src, _Stacked)]
@@ -294,11 +317,12 @@ class _GradPlan:
                 return stacked[src.index]
             return x_slices[src.index] if src.kind == "x" else outside[src.index]
 
-        saved = [_replay(read(src.base), src.ops, barrier=src.barrier) if isinstance(src, _Recompute) else read(src)
-                 for src in self.saved_src]
         tangents = [g[i] for i in range(self.n_c) if self.tangent_mask[i]]
         tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[primals.y(j)]]
-        grads = list(self.bw(*saved, *tangents))
+        with _as_captured():
+            saved = [_replay(read(src.base), src.ops, barrier=src.barrier) if isinstance(src, _Recompute)
+                     else read(src) for src in self.saved_src]
+            grads = list(self.bw(*saved, *tangents))
 
         def grad_or_zeros(pos: int, sig: Sig) -> torch.Tensor:
             value = grads[pos] if pos < len(grads) else None
