@@ -1,8 +1,12 @@
-"""What the Trainer and accelerate tests share: tiny models, token datasets, a CPU reference run, step counters."""
+"""What the Trainer and accelerate tests share: a CPU reference run, step counters, the shared run's pieces."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import torch
 import torch_xla.debug.metrics as met
@@ -10,52 +14,52 @@ import transformers
 
 from torch_xla_ext.hf import SPMDTrainer
 
-VOCAB = 128
+from hf_tiny import arguments
+
+@dataclasses.dataclass
+class CPUReference:
+    """What plain ``transformers.Trainer`` gave on the CPU (see :func:`cpu_reference`)."""
+
+    losses: list[float]         # the logged training losses
+    eval_losses: list[float]    # ``evaluate()``'s eval_loss for each dataset asked for, in order
+    predictions: object         # ``predict()``'s logits (numpy), or None
 
 
-def tiny(kind: str) -> torch.nn.Module:
-    """A seeded tiny causal LM: ``llama``, ``gpt2`` (head tied to the embedding) or ``gemma2`` (interleaved)."""
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(config)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
-        return transformers.LlamaForCausalLM(config)
-    config = transformers.Gemma2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4, attn_implementation="eager")
-    return transformers.Gemma2ForCausalLM(config)
+_CPU_REFERENCE = """
+import sys
+sys.modules["torch_xla"] = None  # as on a machine without it: Trainer then runs on the CPU
+sys.path.insert(0, sys.argv[1])
+import torch, transformers
+from hf_tiny import arguments, tiny
+job = torch.load(sys.argv[2], weights_only=False)
+args = arguments(job["out"], use_cpu=True, optim="adamw_torch", **job["overrides"])
+trainer = transformers.Trainer(model=tiny(job["kind"]), args=args, train_dataset=job["train"])
+trainer.train()
+assert trainer.args.device.type == "cpu" and next(trainer.model.parameters()).device.type == "cpu"
+torch.save({"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "eval_losses": [trainer.evaluate(rows)["eval_loss"] for rows in job["evaluate"]],
+            "predictions": trainer.predict(job["predict"]).predictions if job["predict"] else None},
+           sys.argv[3])
+"""
 
 
-def token_rows(count: int, seq: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    """Rows as a tokenized dataset gives them to the default collator: left padding that varies by row."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(count):
-        ids = torch.randint(0, VOCAB, (seq,), generator=g)
-        mask = torch.ones(seq, dtype=torch.long)
-        mask[: i % 5] = 0
-        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()})
-    return rows
+def cpu_reference(kind: str, output_dir: pathlib.Path, train: list, *, evaluate: tuple = (),
+                  predict: list | None = None, **overrides) -> CPUReference:
+    """The same model trained by plain ``transformers.Trainer`` on the CPU, with the AdamW our run uses.
 
-
-def arguments(output_dir, **overrides) -> transformers.TrainingArguments:
-    """Trainer's defaults, quiet, with a learning rate that moves a tiny model (and any override)."""
-    values = dict(output_dir=str(output_dir), report_to="none", disable_tqdm=True, learning_rate=1e-2, seed=3)
-    values.update(overrides)
-    return transformers.TrainingArguments(**values)
-
-
-def cpu_reference(kind: str, output_dir, train, **overrides) -> transformers.Trainer:
-    """The same model trained by plain ``transformers.Trainer`` on the CPU, with the AdamW our run uses."""
-    args = arguments(output_dir, use_cpu=True, optim="adamw_torch", **overrides)
-    trainer = transformers.Trainer(model=tiny(kind), args=args, train_dataset=train)
-    trainer.train()
-    return trainer
+    It runs in a child process that cannot import torch_xla: in this one
+    ``use_cpu=True`` still runs on the XLA device, and accelerate's state is
+    shared by every Trainer of the process.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    job, result = output_dir / "job.pt", output_dir / "reference.pt"
+    torch.save({"kind": kind, "out": str(output_dir), "train": train, "evaluate": list(evaluate), "predict": predict,
+                "overrides": overrides}, job)
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    proc = subprocess.run([sys.executable, "-c", _CPU_REFERENCE, str(pathlib.Path(__file__).parent), str(job),
+                           str(result)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"the CPU reference failed:\n{proc.stderr[-3000:]}"
+    return CPUReference(**torch.load(result, weights_only=False))
 
 
 def losses(trainer: transformers.Trainer) -> list[float]:

@@ -15,7 +15,8 @@ from transformers import default_data_collator
 
 from torch_xla_ext.hf import prepare
 
-from hf_trainer_helpers import Counts, tiny, token_rows
+from hf_tiny import tiny, token_rows
+from hf_trainer_helpers import Counts
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -17,7 +17,7 @@ from torch_xla_ext.hf import ScannedLayers, prepare, prepared_options
 from torch_xla_ext.scan import scan_cache_info
 from torch_xla_ext.testing import measure_transfers
 
-from hf_trainer_helpers import VOCAB, tiny
+from hf_tiny import VOCAB, tiny
 
 # float32 logits of a 3-layer model: the same math, another reduction order on 8 devices.
 TOL = dict(rtol=1e-5, atol=1e-5)

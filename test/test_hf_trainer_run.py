@@ -36,8 +36,9 @@ from torch_xla_ext.hf import prepare
 from torch_xla_ext.hf.trainer import SHARDED_CHECKPOINT_DIR
 
 from child_process import SPMD_CHILD, run_surviving
-from hf_trainer_helpers import (RUN_STEPS, SAVE_EVERY, Counts, CountedTrainer, StepCounts, TrainedRun, arguments,
-                                cpu_reference, host_state, losses, run_arguments, tiny, token_rows)
+from hf_tiny import arguments, tiny, token_rows
+from hf_trainer_helpers import (RUN_STEPS, SAVE_EVERY, Counts, CountedTrainer, StepCounts, TrainedRun, cpu_reference,
+                                host_state, losses, run_arguments)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -51,7 +52,8 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[3])
 from torch_xla_ext.hf import prepare
-from hf_trainer_helpers import CountedTrainer, losses, run_arguments, tiny, token_rows
+from hf_tiny import tiny, token_rows
+from hf_trainer_helpers import CountedTrainer, losses, run_arguments
 trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=run_arguments(sys.argv[1]),
                          train_dataset=token_rows(64, 12))
 trainer.train(resume_from_checkpoint=sys.argv[2])
@@ -85,10 +87,11 @@ def _eval_rows() -> list[dict[str, torch.Tensor]]:
 
 def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(tmp_path, trained_llama):
     trainer, steps = trained_llama.trainer, trained_llama.steps
-    reference = cpu_reference("llama", tmp_path / "cpu", trained_llama.rows, max_steps=RUN_STEPS, logging_steps=1,
-                              save_strategy="no")
+    rows = _eval_rows()
+    reference = cpu_reference("llama", tmp_path / "cpu", trained_llama.rows, evaluate=(rows,), predict=rows[:8],
+                              max_steps=RUN_STEPS, logging_steps=1, save_strategy="no")
     assert len(losses(trainer)) == RUN_STEPS
-    assert losses(trainer) == pytest.approx(losses(reference), rel=1e-5)
+    assert losses(trainer) == pytest.approx(reference.losses, rel=1e-5)
     # Inside every step after the first: nothing read on the host, nothing gathered.
     for step, moved in enumerate(steps.inside[1:], start=2):
         assert (moved.d2h, moved.gathers) == (0, 0), (step, moved)
@@ -97,13 +100,11 @@ def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(t
 
     # Evaluation: eval_loss as on the CPU, a program per sequence length the first time and none after,
     # and the logits stay on the device (only the per-row losses come to the host).
-    rows = _eval_rows()
-    expected = reference.evaluate(rows)["eval_loss"]
     first = trainer.evaluate(rows)
     middle = Counts.now()
     second = trainer.evaluate(rows)
     after = Counts.now()
-    assert first["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert first["eval_loss"] == pytest.approx(reference.eval_losses[0], rel=1e-5)
     assert second["eval_loss"] == first["eval_loss"]
     assert (after - middle).compiles == 0  # (the first compiles unless this process compiled the same programs)
     logits_bytes = 8 * 8 * 128 * 4  # the smallest evaluation batch's float32 logits
@@ -117,8 +118,7 @@ def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(t
 
     # predict() returns the logits, as asked.
     predicted = trainer.predict(rows[:8])
-    cpu_predicted = reference.predict(rows[:8])
-    np.testing.assert_allclose(predicted.predictions, cpu_predicted.predictions, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(predicted.predictions, reference.predictions, rtol=1e-4, atol=1e-5)
 
 
 def test_checkpoints_hold_shards_and_gather_nothing(trained_llama):

@@ -1,0 +1,50 @@
+"""Tiny Hugging Face models, token rows and Trainer arguments, importable without torch_xla.
+
+The Trainer tests' CPU reference runs in a process that cannot import
+torch_xla (where it can, ``TrainingArguments(use_cpu=True)`` still puts the
+model on the XLA device); it builds its model and rows from here.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 128
+
+
+def tiny(kind: str) -> torch.nn.Module:
+    """A seeded tiny causal LM: ``llama``, ``gpt2`` (head tied to the embedding) or ``gemma2`` (interleaved)."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(config)
+    config = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4, attn_implementation="eager")
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def token_rows(count: int, seq: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Rows as a tokenized dataset gives them to the default collator: left padding that varies by row."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(count):
+        ids = torch.randint(0, VOCAB, (seq,), generator=g)
+        mask = torch.ones(seq, dtype=torch.long)
+        mask[: i % 5] = 0
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()})
+    return rows
+
+
+def arguments(output_dir, **overrides) -> transformers.TrainingArguments:
+    """Trainer's defaults, quiet, with a learning rate that moves a tiny model (and any override)."""
+    values = dict(output_dir=str(output_dir), report_to="none", disable_tqdm=True, learning_rate=1e-2, seed=3)
+    values.update(overrides)
+    return transformers.TrainingArguments(**values)
