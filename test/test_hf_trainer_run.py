@@ -87,8 +87,8 @@ def _eval_rows() -> list[dict[str, torch.Tensor]]:
 
 def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(tmp_path, trained_llama):
     trainer, steps = trained_llama.trainer, trained_llama.steps
-    rows = _eval_rows()
-    reference = cpu_reference("llama", tmp_path / "cpu", trained_llama.rows, evaluate=(rows,), predict=rows[:8],
+    rows, short = _eval_rows(), token_rows(13, 16, seed=20)
+    reference = cpu_reference("llama", tmp_path / "cpu", trained_llama.rows, evaluate=(rows, short), predict=rows[:8],
                               max_steps=RUN_STEPS, logging_steps=1, save_strategy="no")
     assert len(losses(trainer)) == RUN_STEPS
     assert losses(trainer) == pytest.approx(reference.losses, rel=1e-5)
@@ -109,6 +109,8 @@ def test_trainer_with_default_arguments_matches_cpu_and_reads_nothing_per_step(t
     assert (after - middle).compiles == 0  # (the first compiles unless this process compiled the same programs)
     logits_bytes = 8 * 8 * 128 * 4  # the smallest evaluation batch's float32 logits
     assert (after - middle).gathers <= 1 and (after - middle).d2h_bytes < logits_bytes, after - middle
+    # A short last batch weighs by its rows (13 rows: 8 + 5), as on the CPU; it counted as a full batch.
+    assert trainer.evaluate(short)["eval_loss"] == pytest.approx(reference.eval_losses[1], rel=1e-5)
 
     # save_model() after training writes Hugging Face's format, which from_pretrained reads on the CPU.
     trainer.save_model(str(tmp_path / "final"))

@@ -20,6 +20,14 @@ told through its arguments:
   (``RuntimeError: fused=True requires ... devices``); the same AdamW runs
   unfused here (the same update, rounded as XLA rounds).
 
+* **Evaluation weighs each batch by its rows.** On XLA accelerate hands
+  Trainer its loader inside torch_xla's ``MpDeviceLoader``, whose thread
+  runs ahead of Trainer; the loader left accelerate's state before Trainer
+  handled its last batch, so a short last batch counted as a full one
+  (``eval_loss`` of 13 rows in batches of 8 was the plain mean of the two
+  batch losses). Evaluation and prediction iterate accelerate's own loader
+  on the calling thread; Trainer moves each batch to the device.
+
 A model from :func:`torch_xla_ext.hf.prepare` needs nothing else: its mask is
 built on the device (no host read per step), and Trainer evaluates without
 copying logits to the host unless ``compute_metrics`` asks for them.
@@ -41,6 +49,17 @@ __all__ = ["SHARDED_CHECKPOINT_DIR", "SPMDTrainer"]
 #: The folder of a Trainer checkpoint (``checkpoint-N/``) that holds the model's and optimizer's shards.
 SHARDED_CHECKPOINT_DIR = "sharded"
 _SCHEDULER_NAME = "scheduler.pt"  # Trainer's own file name for the scheduler state
+
+
+def _on_this_thread(loader: Any) -> Any:
+    """accelerate's loader out of torch_xla's prefetching ``MpDeviceLoader`` (see the module docstring)."""
+    from accelerate.data_loader import MpDeviceLoaderWrapper
+
+    if not isinstance(loader, MpDeviceLoaderWrapper):
+        return loader
+    inner = loader._loader
+    inner.rng_types = loader._rng_types  # the wrapper took them away from its prefetch thread
+    return inner
 
 
 class SPMDTrainer(transformers.Trainer):
@@ -70,6 +89,14 @@ class SPMDTrainer(transformers.Trainer):
         if kwargs.get("fused"):
             kwargs = {**kwargs, "fused": False}
         return cls, kwargs
+
+    # ---- evaluation ----
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return _on_this_thread(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        return _on_this_thread(super().get_test_dataloader(test_dataset))
 
     # ---- saving ----
 
