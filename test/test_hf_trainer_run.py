@@ -1,8 +1,9 @@
 """One SPMDTrainer run of a prepared tiny Llama with Trainer's default arguments, checked from every side.
 
 The run (6 steps, a checkpoint every 3) is built once for this file. Its
-losses and ``eval_loss`` equal plain ``transformers.Trainer`` on the CPU
-(``use_cpu=True``, same model, data and arguments, ``optim="adamw_torch"``:
+losses and ``eval_loss`` (a short last batch too) equal plain
+``transformers.Trainer`` on the CPU (in a child process without torch_xla,
+same model, data and arguments, ``optim="adamw_torch"``:
 our run keeps Trainer's default ``adamw_torch_fused``, which ``SPMDTrainer``
 runs unfused, the same update); rel 1e-5, float32 over a few AdamW steps of a
 tiny model (the recipe's own tests measured at most 4e-7 relative on losses).
