@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
-import transformers
 
 from torch_xla_ext import remat
 from torch_xla_ext.distributed import FSDPModule, fully_shard

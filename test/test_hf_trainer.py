@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import torch_xla.distributed.spmd as xs
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
