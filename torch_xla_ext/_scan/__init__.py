@@ -18,6 +18,8 @@ layered; each module holds one idea and imports only the ones above it:
 ``backend``   lowering choices made for one backend's code generation.
 ``loop``      lowers one traced step into an XLA ``while`` loop with a named
               operand layout, and adds it to the lazy graph.
+``autocast``  the forward captured under the caller's autocast, the backward
+              without; what that capture would compute otherwise, refused.
 ``aot``       AOTAutograd's split of a step into forward and backward graphs,
               without its process-wide generator snapshot.
 ``autograd``  the forward and backward graphs, each run as a loop.

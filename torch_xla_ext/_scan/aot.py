@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .._annotate import scan_step_trace
+from . import autocast
 
 __all__ = ["Split", "split"]
 
@@ -89,7 +90,8 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
 
     The backward graph is captured by running the backward of the compiled
     function once, seeded with ones, on the example inputs ``args`` (which
-    hold no data anyone reads: nothing is executed).
+    hold no data anyone reads: nothing is executed). The forward runs under
+    the caller's autocast, the backward without (see :mod:`.autocast`).
     """
     from functorch.compile import aot_function, default_partition, make_boxed_func
 
@@ -102,8 +104,14 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
 
         return compiler
 
-    with torch.enable_grad(), scan_step_trace(), _host_rng_left_alone():
-        compiled = aot_function(primal_fn, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
+    callers = autocast.enabled()
+
+    def forward_as_called(*primals):  # the backward AOTAutograd traces after it runs without autocast
+        with autocast.on(callers), autocast.refusing_what_it_would_change(callers):
+            return primal_fn(*primals)
+
+    with torch.enable_grad(), scan_step_trace(), _host_rng_left_alone(), autocast.off():
+        compiled = aot_function(forward_as_called, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
                                 partition_fn=partition_fn or default_partition,
                                 decompositions=_decompositions(), enable_log=False)
         outs = compiled(*args)

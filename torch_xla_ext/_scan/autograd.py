@@ -10,9 +10,8 @@ tensors.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from .._annotate import behind_barrier, is_fake_tensor, regather_mark
 from .._partitionable import partitionable_ops
 from .._xla import redirected_mark_sharding, torch_xla_device
+from . import autocast
 from .aot import split
 from .errors import ScanUnsupportedError
 from .lift import Lifter
@@ -177,27 +177,6 @@ def _recompute_chain(node, placeholders: list) -> tuple[Any, list, bool] | None:
     return base, [(op.target, tuple(op.args[1:]), dict(op.kwargs)) for op in reversed(ops)], marked
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xla")
-
-
-@contextlib.contextmanager
-def _as_captured() -> Iterator[None]:
-    """Run a captured graph as it was captured: with autocast off (on this thread, for the block).
-
-    AOTAutograd traced the step under the caller's autocast, so the graphs
-    hold its casts as ops. Run under autocast again, an op on autocast's
-    float32 list (softmax, say) would get a bfloat16 input cast up once more:
-    a dtype the graph did not record, and on XLA an HLO mixing bfloat16 and
-    float32 operands that the verifier rejects (scaled_dot_product_attention's
-    backward did).
-    """
-    with contextlib.ExitStack() as stack:
-        for device in _AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
-
-
 def _replay(value: torch.Tensor, ops: list, barrier: bool) -> torch.Tensor:
     """Recompute a saved value from its input; behind an optimization barrier if ``barrier``."""
     if barrier:
@@ -290,7 +269,7 @@ class _GradPlan:
                 if not isinstance(src, _Stacked)]
 
     def _forward_step(self, carry, x, outside):
-        with _as_captured():
+        with autocast.off():  # the graphs hold the forward's casts (see .autocast)
             result = list(self.fw(*carry, *x, *outside))
         n_out = self.n_c + self.num_y
         saved = result[n_out:]
@@ -319,7 +298,7 @@ class _GradPlan:
 
         tangents = [g[i] for i in range(self.n_c) if self.tangent_mask[i]]
         tangents += [gy[j] for j in range(self.num_y) if self.tangent_mask[primals.y(j)]]
-        with _as_captured():
+        with autocast.off():  # the graphs hold the forward's casts (see .autocast)
             saved = [_replay(read(src.base), src.ops, barrier=src.barrier) if isinstance(src, _Recompute)
                      else read(src) for src in self.saved_src]
             grads = list(self.bw(*saved, *tangents))
@@ -430,6 +409,13 @@ class _ScanFunction(torch.autograd.Function):
                 "penalty, a Hessian-vector product, torch.autograd.grad(..., create_graph=True)) cannot go "
                 "through it. Compute such terms with a Python loop over the layers, or without "
                 "create_graph."
+            )
+        if autocast.enabled():
+            raise ScanUnsupportedError(
+                "scan: backward() ran under torch.autocast. The scan's backward was captured as PyTorch advises "
+                "autocast to be used, with backward() called after the autocast block (its ops in the dtypes "
+                "the forward chose); under autocast eager would cast them again. Call backward() after the "
+                "`with torch.autocast(...)` block."
             )
         plan: _GradPlan = ctx.plan
         primals = plan.primals

@@ -19,7 +19,7 @@ class ScanUnsupportedError(RuntimeError):
 
     Raised while ``fn`` is traced, before anything runs on the device (a host
     read of a tensor's value, a nested scan, a host random draw, a computed
-    tensor kept beyond the call; the message names the user's line), or by
-    the backward when asked for a differentiable gradient
-    (``create_graph=True``).
+    tensor kept beyond the call, an attention under autocast with gradients;
+    the message names the user's line), or by the backward when asked for a
+    differentiable gradient (``create_graph=True``) or run under autocast.
     """
