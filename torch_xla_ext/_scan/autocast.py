@@ -34,14 +34,15 @@ from torch.overrides import TorchFunctionMode
 from .._frames import user_frame
 from .errors import ScanUnsupportedError
 
-__all__ = ["enabled", "off", "on", "refusing_what_it_would_change"]
+__all__ = ["DEVICES", "enabled", "off", "on", "refusing_what_it_would_change"]
 
-_DEVICES = ("cpu", "cuda", "xla")
+#: The devices whose autocast state scan reads, switches and keys its cache on.
+DEVICES = ("cpu", "cuda", "xla")
 
 
 def enabled() -> list[tuple[str, torch.dtype]]:
     """The devices whose autocast is on in this thread, with its dtype."""
-    return [(device, torch.get_autocast_dtype(device)) for device in _DEVICES if torch.is_autocast_enabled(device)]
+    return [(device, torch.get_autocast_dtype(device)) for device in DEVICES if torch.is_autocast_enabled(device)]
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from . import autocast
+
 if TYPE_CHECKING:  # the plan's parts; imported for annotations only (they import this module)
     from .autograd import _GradPlan
     from .loop import _Loop
@@ -62,7 +64,7 @@ def global_state() -> object:
         if isinstance(state, str):
             return state
     return (torch.is_grad_enabled(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda", "xla")))
+            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in autocast.DEVICES))
 
 
 _cache_lock = threading.Lock()
