@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
-import subprocess
-import sys
 
 import torch
 import torch_xla.debug.metrics as met
@@ -14,7 +11,9 @@ import transformers
 
 from torch_xla_ext.hf import SPMDTrainer
 
+from child_process import run_surviving
 from hf_tiny import arguments
+
 
 @dataclasses.dataclass
 class CPUReference:
@@ -55,10 +54,7 @@ def cpu_reference(kind: str, output_dir: pathlib.Path, train: list, *, evaluate:
     job, result = output_dir / "job.pt", output_dir / "reference.pt"
     torch.save({"kind": kind, "out": str(output_dir), "train": train, "evaluate": list(evaluate), "predict": predict,
                 "overrides": overrides}, job)
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    proc = subprocess.run([sys.executable, "-c", _CPU_REFERENCE, str(pathlib.Path(__file__).parent), str(job),
-                           str(result)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"the CPU reference failed:\n{proc.stderr[-3000:]}"
+    run_surviving(output_dir, _CPU_REFERENCE, str(pathlib.Path(__file__).parent), str(job), str(result))
     return CPUReference(**torch.load(result, weights_only=False))
 
 
