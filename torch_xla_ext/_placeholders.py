@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ._xla import xla_builder, xlac
-from .distributed._weak import WeakIdMap
+from ._weak import WeakIdMap
 
 __all__ = ["placeholder", "is_placeholder", "mark_placeholder", "before_step", "parameter_shardings",
            "placeholder_parameters", "replace_parameters"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from ._weak import WeakIdMap
+from .._weak import WeakIdMap
 
 from .._annotate import Annotator, annotate_sharding, fresh_node, is_replicated_spec, mark_sharding
 from .._xla import torch_xla_device, xla_builder, xlac

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from ._weak import WeakIdMap
+from .._weak import WeakIdMap
 
 from .._annotate import annotate_sharding, in_scan_step_trace, mesh_text, shard_activation
 from ._param import Gather, applied_spec, axis_size, hook_gradient, place, spec_string
