@@ -11,7 +11,7 @@ from ._cpu_threads import widen_cpu_client_threads
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
 from .recompile_guard import RecompileError, no_recompiles
-from .scan import ScanInputError, ScanUnsupportedError, scan, scan_layers, stack_layers
+from .scan import ScanInputError, ScanUnsupportedError, StackedLayerError, scan, scan_layers, stack_layers
 from .transfer_guard import (
     HostTransferError,
     TransferStats,
@@ -36,6 +36,7 @@ __all__ = [
     "RecompileError",
     "ScanInputError",
     "ScanUnsupportedError",
+    "StackedLayerError",
     "Shape",
     "Sharding",
     "TransferStats",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._scan import (ScanCacheInfo, ScanInputError, ScanUnsupportedError, clear_scan_cache, scan, scan_cache_info,
-                    scan_layers, stack_layers)
+from ._scan import (ScanCacheInfo, ScanInputError, ScanUnsupportedError, StackedLayerError, clear_scan_cache, scan,
+                    scan_cache_info, scan_layers, stack_layers)
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError",
-           "ScanUnsupportedError"]
+           "ScanUnsupportedError", "StackedLayerError"]

@@ -44,9 +44,9 @@ from __future__ import annotations
 
 from .api import scan
 from .cache import ScanCacheInfo, clear_scan_cache, scan_cache_info
-from .errors import ScanInputError, ScanUnsupportedError
+from .errors import ScanInputError, ScanUnsupportedError, StackedLayerError
 from .layers import scan_layers
 from .stored import stack_layers
 
 __all__ = ["scan", "scan_layers", "stack_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError",
-           "ScanUnsupportedError"]
+           "ScanUnsupportedError", "StackedLayerError"]

@@ -1,8 +1,8 @@
-"""The exception for bad arguments to ``scan`` and ``scan_layers``."""
+"""The exceptions of ``scan``, ``scan_layers`` and ``stack_layers``."""
 
 from __future__ import annotations
 
-__all__ = ["ScanInputError", "ScanUnsupportedError"]
+__all__ = ["ScanInputError", "ScanUnsupportedError", "StackedLayerError"]
 
 
 class ScanInputError(TypeError, ValueError):
@@ -22,4 +22,17 @@ class ScanUnsupportedError(RuntimeError):
     tensor kept beyond the call, an attention under autocast with gradients;
     the message names the user's line), or by the backward when asked for a
     differentiable gradient (``create_graph=True``) or run under autocast.
+    """
+
+
+class StackedLayerError(ScanUnsupportedError):
+    """A per-layer operation on layers :func:`~torch_xla_ext.stack_layers` stored stacked; refused, nothing changed.
+
+    A stacked layer's parameters are rows of one ``[L, ...]`` parameter per
+    name on its ``nn.ModuleList``: what PyTorch would do to one layer's own
+    parameter object (freeze it, give it to an optimizer, hook it, replace
+    it, convert it, copy the layer alone) cannot be done to a row, so it is
+    refused where it is written, naming the stacked parameter and the way
+    out. Operations on the whole model or on the ``ModuleList`` work as on the
+    unstacked model.
     """

@@ -29,14 +29,14 @@ from .errors import ScanInputError
 from .guard import describe_callable
 from .lift import bits_key, content_digest
 from .sharding import _canonical_specs
-from .stored import RECORDS
+from .stored_contract import RECORDS
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
 def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The layer's parameters, then its buffers, by qualified name."""
-    state = dict(layer.named_parameters())
+    state = dict(torch.nn.Module.named_parameters(layer))  # (a stacked layer's own method refuses)
     state.update(dict(layer.named_buffers()))
     return state
 

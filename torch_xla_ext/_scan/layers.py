@@ -22,6 +22,7 @@ from .homogeneous import (attribute_groups, attribute_key, attribute_values, by_
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .stored import stored_slices
+from .stored_contract import as_whole
 from .trace import refuse_kept_intermediates, same_trace
 
 
@@ -105,7 +106,8 @@ def _layer_step(layer: torch.nn.Module, names: list[str], shapes: list[tuple[int
         views = [(t, params[name]) for name, t in zip(names, state)
                  if params[name] is not t and not is_fake_tensor(params[name])]
         identity = ValueIdentity([v for _, v in views])
-        out = functional_call(layer, params, (*carry, *call.args), call.kwargs)
+        with as_whole():  # functional_call lists the layer's parameters (a stacked layer's own method refuses)
+            out = functional_call(layer, params, (*carry, *call.args), call.kwargs)
         for (t, v), changed in zip(views, identity.changed([v for _, v in views])):
             if changed:
                 t.copy_(v.reshape(t.shape))
@@ -289,7 +291,7 @@ def _scan_layers(layers: Sequence[torch.nn.Module], input_data: torch.Tensor | t
 def _check_only_buffers(template: torch.nn.Module, names: list[str], written: list[int],
                         stored: dict[str, torch.Tensor]) -> None:
     """Refuse a forward that writes into a parameter: the write would bypass autograd and the optimizer."""
-    params = {name for name, _ in template.named_parameters()} | set(stored)
+    params = {name for name, _ in torch.nn.Module.named_parameters(template)} | set(stored)
     for j in written:
         if names[j] in params:
             raise RuntimeError(

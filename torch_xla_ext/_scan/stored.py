@@ -23,8 +23,10 @@ each layer reads its slice of it:
   mlp.up_proj.weight``, in the same order) and ``load_state_dict`` takes
   them, so checkpoints do not change.
 
-Each holder module's class becomes a subclass of its class (same name) whose
-``__getattr__`` answers the stacked names. Nothing moves to the host.
+Each module inside a stacked layer, and the ``ModuleList``, becomes a
+subclass of its class (same name) that keeps PyTorch's per-parameter
+contract or refuses where the user writes the operation
+(:mod:`.stored_contract`). Nothing moves to the host.
 """
 
 from __future__ import annotations
@@ -37,18 +39,12 @@ import torch
 from torch import nn
 
 from .errors import ScanInputError
+from .stored_contract import (LAYER as _LAYER, MEMBER, SLOTS as _SLOTS, container_class, mark_replaced,
+                              member_class, refuse_outside_holders, register_stacked)
 
-__all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage", "RECORDS"]
+__all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage"]
 
-_LAYER = "_txe_stacked_layer"   # on each layer: (container, index)
-_SLOTS = "_txe_stacked_slots"   # on each holder: {local name: (container, key, index)}
 _NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
-
-#: The attributes this module keeps on layers and holders: bookkeeping, not what a forward computes
-#: (``scan_layers`` does not compare them between layers; the index in them differs by design).
-RECORDS = frozenset({_LAYER, _SLOTS})
-
-_holder_classes: dict[type, type] = {}
 
 # Container -> each per-layer key its load pre-hook handled in the load under way, with the holder module
 # whose own hook must then stand aside. Keys, not a flag: a load that raised between the list's pre- and
@@ -68,25 +64,6 @@ def is_stacked(holder: nn.Module, name: str) -> bool:
 
 def _key(name: str) -> str:
     return name.replace(".", "/")
-
-
-def _holder_class(cls: type) -> type:
-    """``cls`` with a ``__getattr__`` that answers its stacked names with a slice of the stacked parameter."""
-    sub = _holder_classes.get(cls)
-    if sub is not None:
-        return sub
-
-    def __getattr__(self: nn.Module, name: str) -> Any:
-        slots = self.__dict__.get(_SLOTS)
-        if slots is not None and name in slots and self.__dict__["_parameters"].get(name) is None:
-            container, key, index = slots[name]
-            return container._parameters[key][index]
-        return super(sub, self).__getattr__(name)
-
-    sub = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, "_txe_stacked_holder": True})
-    _holder_classes[cls] = sub
-    return sub
 
 
 def _stacked_value(members: list[torch.Tensor]) -> torch.Tensor:
@@ -163,6 +140,7 @@ def stack_layers(layers: nn.ModuleList) -> None:
     for name in names:
         if hasattr(layers, _key(name)):
             raise ScanInputError(f"stack_layers: the ModuleList already has an attribute '{_key(name)}'")
+    refuse_outside_holders(layers, seen)
 
     stacked = {name: nn.Parameter(_stacked_value([state[name] for state in states]),
                                   requires_grad=states[0][name].requires_grad) for name in names}
@@ -170,15 +148,20 @@ def stack_layers(layers: nn.ModuleList) -> None:
     for name, p in stacked.items():
         layers.register_parameter(_key(name), p)
     layers.__dict__[_NAMES] = {name: _key(name) for name in names}
-    for i, layer in enumerate(members_of):
+    for i, (layer, state) in enumerate(zip(members_of, states)):
         layer.__dict__[_LAYER] = (layers, i)
+        for path, m in layer.named_modules():
+            m.__dict__[MEMBER] = (layers, i, path)
         for name in names:
             holder_name, _, local = name.rpartition(".")
             holder = layer.get_submodule(holder_name)
             holder._parameters[local] = None
             holder.__dict__.setdefault(_SLOTS, {})[local] = (layers, _key(name), i)
-            if not getattr(type(holder), "_txe_stacked_holder", False):
-                holder.__class__ = _holder_class(type(holder))
+            mark_replaced(state[name], f"layers[{i}].{name}", _key(name))
+        for m in layer.modules():
+            m.__class__ = member_class(type(m))
+    layers.__class__ = container_class(type(layers))
+    register_stacked(layers)
     layers.register_state_dict_post_hook(_unstacked_state_dict)
     layers._register_load_state_dict_pre_hook(_stack_loaded, with_module=True)
     layers.register_load_state_dict_post_hook(_name_missing_layers)
@@ -275,6 +258,7 @@ def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_me
 
     missing: list[str] = module.__dict__.setdefault("_txe_stacked_missing", [])
     missing.clear()
+    module.__dict__["_txe_stacked_prefix"] = prefix
     handled = _loads[module] = {}  # the holders' own hooks stand aside for these keys (until the post hook)
     rows = _rows(module)
     for name, key in module.__dict__[_NAMES].items():
@@ -318,9 +302,10 @@ def _name_missing_layers(module: nn.ModuleList, incompatible: Any) -> None:
     """Load post-hook: report a stacked name missing from a checkpoint by its per-layer keys, not its own."""
     _loads.pop(module, None)
     missing: list[str] = module.__dict__.get("_txe_stacked_missing", [])
-    stacked_keys = set(module.__dict__[_NAMES].values())
-    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
-                                    if k.rpartition(".")[2] not in stacked_keys] + missing
+    prefix = module.__dict__.get("_txe_stacked_prefix", "")
+    # Exactly this list's stacked keys: other modules' keys may end in the same name ('weight' for a list of Linear).
+    stacked_keys = {prefix + key for key in module.__dict__[_NAMES].values()}
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in stacked_keys] + missing
     missing.clear()
 
 

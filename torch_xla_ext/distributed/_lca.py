@@ -126,8 +126,8 @@ def _ignored_ids(ignored_params: Iterable[nn.Parameter] | None) -> dict[int, tor
 
 def _registrations(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     # Every direct registration, duplicates within the module included, in
-    # named_parameters(recurse=False) order.
-    return module.named_parameters(recurse=False, remove_duplicate=False)
+    # named_parameters(recurse=False) order. Module's own method: a stacked layer's refuses (stack_layers).
+    return nn.Module.named_parameters(module, recurse=False, remove_duplicate=False)
 
 
 def get_shared_param_info_to_lca(
