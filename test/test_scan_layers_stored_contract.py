@@ -277,3 +277,27 @@ def test_a_strict_load_reports_missing_keys_of_modules_beside_a_stack_of_linears
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "first.weight"'):
         model.load_state_dict(state)
     assert model.load_state_dict(state, strict=False).missing_keys == ["first.weight"]
+
+
+def test_a_sharded_checkpoint_loads_across_layouts_for_the_model_and_refuses_the_optimizer(device, tmp_path):
+    from torch_xla_ext.distributed.checkpoint import load_sharded, save_sharded
+
+    plain, net = _nets(device)
+    x = torch.randn(B, D).to(device)
+    opts = {}
+    for label, model in (("plain", plain), ("stacked", net)):
+        opts[label] = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(x).square().mean().backward()
+        opts[label].step()
+        opts[label].zero_grad()
+        save_sharded(tmp_path / label, model, opts[label])
+    for source, target, opt in (("stacked", plain, opts["plain"]), ("plain", net, opts["stacked"])):
+        with pytest.raises(ValueError, match=rf"whose layers were {'stored stacked' if source == 'stacked' else 'not'}"
+                                             rf".*Load it into a model stacked as the saved one was"):
+            load_sharded(tmp_path / source, target, opt)
+    # The model's own state is keyed per layer in both layouts: it loads across them.
+    fresh_plain, fresh_stacked = _nets(device)
+    load_sharded(tmp_path / "stacked", fresh_plain)
+    load_sharded(tmp_path / "plain", fresh_stacked)
+    for model in (fresh_plain, fresh_stacked):
+        torch.testing.assert_close(model(x).cpu(), plain(x).cpu(), rtol=1e-5, atol=1e-5)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .._scan.stored_contract import as_whole
+
 __all__ = ["load_sharded", "save_sharded"]
 
 # DCP's own notes when it plans in one process; they say nothing about this save.
@@ -65,10 +67,38 @@ def _check(path: Any, model: Any, optimizer: Any) -> str:
 def _state(model: torch.nn.Module, optimizer: Any, with_model: bool = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, _torch_optimizer(optimizer))
+    with as_whole():  # DCP walks every module's own parameters (a stacked layer's refuses a user's walk)
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_sd, optim_sd = get_state_dict(model, _torch_optimizer(optimizer))
     return {"model": model_sd, "optim": optim_sd} if with_model else {"optim": optim_sd}
+
+
+def _refuse_other_layout(path: str, optim_state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Refuse an optimizer checkpoint whose parameters are stacked where the model's are not, or the other way.
+
+    ``stack_layers`` keys a stack's optimizer state by its stacked parameters
+    (``layers.mlp/up_proj/weight``), the unstacked model by each layer's
+    (``layers.3.mlp.up_proj.weight``); DCP would report the keys missing
+    without saying why.
+    """
+    def stacked(fqn: str) -> bool:  # a stacked parameter's last name holds '/' (stack_layers' key)
+        return "/" in fqn.rpartition(".")[2]
+
+    wanted = list(optim_state.get("state", {}))
+    missing = [fqn for fqn in wanted if not any(key.startswith(f"optim.state.{fqn}.") for key in saved)]
+    if not missing:
+        return
+    model_stacked = any(stacked(fqn) for fqn in wanted)
+    saved_stacked = any(stacked(key.removeprefix("optim.state.").rpartition(".")[0]) for key in saved
+                        if key.startswith("optim.state."))
+    if model_stacked != saved_stacked:
+        raise ValueError(
+            f"load_sharded: {path} holds the optimizer state of a model whose layers were "
+            f"{'stored stacked' if saved_stacked else 'not stored stacked'} (stack_layers), and this model's "
+            f"{'are' if model_stacked else 'are not'} (its state for {missing[0]} is not in the checkpoint). "
+            f"Load it into a model stacked as the saved one was; the model's own state (load_sharded(path, model)) "
+            f"loads either way")
 
 
 def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None) -> None:
@@ -109,15 +139,18 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
         if not any(key.startswith("optim.") for key in saved):
             raise ValueError(f"load_sharded: {path} holds no optimizer state (it was saved without an optimizer)")
     state = _state(model, optimizer, load_model)  # creates a new optimizer's state (a zero-lr step), sharded
+    if optimizer is not None:
+        _refuse_other_layout(path, state["optim"], saved)
     _settle()
     with warnings.catch_warnings():
         for message in _DCP_CHATTER:
             warnings.filterwarnings("ignore", message=message)
         dcp.load(state, checkpoint_id=path, planner=SPMDLoadPlanner())
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    elif not load_model:
-        set_optimizer_state_dict(model, _torch_optimizer(optimizer), state["optim"])
-    else:
-        set_state_dict(model, _torch_optimizer(optimizer), model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+    with as_whole():
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        elif not load_model:
+            set_optimizer_state_dict(model, _torch_optimizer(optimizer), state["optim"])
+        else:
+            set_state_dict(model, _torch_optimizer(optimizer), model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
