@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["xlac", "xla_builder", "torch_xla_device", "redirected_mark_sharding"]
+__all__ = ["xlac", "xla_builder", "torch_xla_device", "redirected_mark_sharding", "device_rng_seed",
+           "restore_device_rng_seed"]
 
 
 def xlac() -> Any:
@@ -37,6 +38,21 @@ def torch_xla_device() -> torch.device:
     import torch_xla
 
     return torch_xla.device()
+
+
+def device_rng_seed() -> int:
+    """torch_xla's running random seed of the default device: a host integer, read without running anything."""
+    return xlac()._xla_get_rng_seed("")
+
+
+def restore_device_rng_seed(seed: int) -> None:
+    """Put the device's generator back at ``seed`` (from :func:`device_rng_seed`) if it moved.
+
+    The next random op then draws what it would have drawn had nothing moved
+    it (torch_xla keeps the running seed and the graph's seed value in step).
+    """
+    if device_rng_seed() != seed:
+        xlac()._xla_set_rng_seed(seed, "")
 
 
 _redirects = threading.local()

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .._xla import torch_xla_device
+from .._xla import device_rng_seed, restore_device_rng_seed, torch_xla_device
 from ..lowering import _require_xla_tensor
 from .autograd import _GradPlan, _ScanFunction
 from .backend import cpu_codegen
@@ -167,8 +167,9 @@ def scan(
     Returns:
       ``(carry, ys)``: ``ys`` stacks every ``y`` along a new leading dimension.
       Everything stays on the device; nothing is copied to the host. Random
-      ops in ``fn`` draw different numbers in each iteration, reproducibly
-      under ``torch.manual_seed``. Inside ``torch.compile`` it raises
+      ops in ``fn`` draw different numbers in each iteration from torch_xla's
+      device generator, reproducibly under ``xm.set_rng_state`` (as eager
+      random ops on the device are), and no host generator moves. Inside ``torch.compile`` it raises
       (see ``_scan/dynamo.py``).
     """
     refuse_nested("scan")
@@ -238,6 +239,7 @@ class Captured:
     y_none: tuple[bool, ...]     # per y leaf: fn returned None there
     made: list[weakref.ref]      # every XLA tensor the traces made (see refuse_kept_intermediates)
     per_iteration: bool = False  # fn changed Python state and was traced once per iteration, all alike
+    rng_seed: int = 0            # the device generator's seed before the traces (which draw on it)
 
     def retrace(self, fn: Callable) -> _Traced:
         """Another ``fn`` traced on this capture's signatures (scan_layers' other layers)."""
@@ -271,6 +273,7 @@ def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | 
     snapshot (the second capture of :func:`_refuse_self_changing`).
     """
     found: dict[str, Any] = {}
+    rng_seed = device_rng_seed()
     step = _flat_step(fn, init_spec, x_spec, found)
     carry_sig = [_signature(t) for t in init_l]
     x_sig = [(tuple(t.shape[1:]), t.dtype) for t in xs_l]
@@ -298,7 +301,7 @@ def capture(fn: Callable, init_spec: pytree.TreeSpec, x_spec: pytree.TreeSpec | 
             raise
         made += traced.made
     return Captured(step, traced, init_spec, x_spec, carry_sig, x_sig, traced.outside, written, found["y_spec"],
-                    found["y_none"], made, per_iteration=bool(changed))
+                    found["y_none"], made, per_iteration=bool(changed), rng_seed=rng_seed)
 
 
 #: At most this many iterations are traced one by one for a fn that changes Python state.
@@ -391,7 +394,14 @@ def _refuse_self_changing(captured: Captured, recapture: Callable[[], Captured],
 
 def run(plan: _Plan, captured: Captured, init_l: list[torch.Tensor], xs_l: list[torch.Tensor], length: int
         ) -> tuple[list[torch.Tensor], tuple[list, pytree.TreeSpec], dict[int, torch.Tensor]]:
-    """Stage 4, run: ``(carry leaves, (y leaves, y spec), updated xs)`` (see :func:`capture`'s ``keep_written``)."""
+    """Stage 4, run: ``(carry leaves, (y leaves, y spec), updated xs)`` (see :func:`capture`'s ``keep_written``).
+
+    Tracing and lowering ran ``fn``'s random ops on the device's generator (one
+    trace on a cache hit, more on a miss): it is put back first, so the loop's
+    seed (:func:`~torch_xla_ext._scan.loop._run`) is one draw from where the
+    call found it, whatever the cache held.
+    """
+    restore_device_rng_seed(captured.rng_seed)
     written = captured.written
     if length == 0:
         carry_l = init_l

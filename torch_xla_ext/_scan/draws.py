@@ -32,7 +32,9 @@ over another thread's draws:
   (milliseconds) instead of interleaving, so a state that moved meanwhile
   moved by ``fn`` alone, and putting it back undoes only ``fn``'s draws.
   (numpy ``Generator`` and ``RandomState`` objects of the user's are not
-  watched: a draw from one in ``fn`` is baked into the loop.)
+  watched here: :class:`~torch_xla_ext._scan.state.ReachableState` keys the
+  ones ``fn`` reaches by their state, so a trace that drew from one changed
+  that state, and every iteration is then traced, drawing as the loop draws.)
 """
 
 from __future__ import annotations

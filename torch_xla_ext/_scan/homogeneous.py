@@ -20,9 +20,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
+import pickle
+import random
 import types
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .errors import ScanInputError
@@ -94,7 +98,10 @@ def value_key(value: object, memo: dict[int, object] | None = None) -> object:
     themselves (code); tuples, lists, sets, dicts, ``SimpleNamespace``,
     dataclass instances, ``functools.partial`` and other objects with a
     ``__dict__`` (a model's config) by their items; host tensors, numpy arrays
-    and numpy scalars by dtype, shape and a hash of their bytes. Anything else
+    and numpy scalars by dtype, shape and a hash of their bytes; host random
+    generators (``random.Random``, numpy's ``Generator``, ``BitGenerator`` and
+    ``RandomState``, a CPU ``torch.Generator``) by a hash of their state, which
+    every draw changes. Anything else
     (an XLA tensor, an object without a ``__dict__``), and what lies past
     :data:`_KEY_NODES` items or :data:`_KEY_DEPTH` levels, is named by identity
     (:func:`by_contents` tells whether a key has such a part). ``memo`` keys
@@ -140,6 +147,9 @@ def _key(value: object, budget: list[int], depth: int, memo: dict[int, object]) 
                             for k, v in value.items()))
     if isinstance(value, functools.partial):
         return (kind, _key((value.func, value.args, value.keywords), budget, depth + 1, memo))
+    state = _generator_state(value)
+    if state is not None:
+        return ("generator", kind, state)
     if isinstance(value, torch.Tensor) or not hasattr(value, "__dict__"):
         return _Identity(id(value))
     if id(value) in memo:
@@ -152,6 +162,28 @@ def _key(value: object, budget: list[int], depth: int, memo: dict[int, object]) 
         items = _key(vars(value), budget, depth + 1, memo)
     memo[id(value)] = key = (kind, items)
     return key
+
+
+def _generator_state(value: object) -> bytes | None:
+    """A host random generator's state, as a digest; None for anything else.
+
+    A draw changes the generator's state but none of its Python attributes
+    (numpy's generators have none), so keyed as an object a generator that
+    ``fn`` drew from would look unchanged.
+    """
+    if isinstance(value, random.Random):
+        state: object = value.getstate()
+    elif isinstance(value, np.random.Generator):
+        state = value.bit_generator.state
+    elif isinstance(value, np.random.BitGenerator):
+        state = value.state
+    elif isinstance(value, np.random.RandomState):
+        state = value.get_state(legacy=False)
+    elif isinstance(value, torch.Generator) and value.device.type == "cpu":
+        state = value.get_state().numpy().tobytes()
+    else:
+        return None
+    return hashlib.blake2b(pickle.dumps(state, protocol=4), digest_size=16).digest()
 
 
 class _Identity(int):

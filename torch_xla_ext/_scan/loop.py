@@ -190,10 +190,11 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
     device = torch_xla_device()
     seed = None
     if layout.has_seed:
-        # A fresh base seed per call from torch's default generator, so results
-        # are reproducible under torch.manual_seed; step idx uses base + idx.
-        # (8 bytes host->device; nothing moves device->host.)
-        seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(device)
+        # A fresh base seed per call drawn on the device, from torch_xla's
+        # generator, as the eager loop's random ops on the device draw: the
+        # host generators (torch's CPU one included) stay where the loop
+        # leaves them. Step idx uses base + idx. Nothing moves either way.
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
     operands = _Groups(
         i=torch.zeros((), dtype=torch.int32, device=device),
         carry=list(init),
