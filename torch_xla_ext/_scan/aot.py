@@ -23,7 +23,7 @@ import torch
 from .._annotate import scan_step_trace
 from . import autocast
 
-__all__ = ["Split", "split"]
+__all__ = ["Split", "split", "note_backward_python"]
 
 _local = threading.local()
 
@@ -34,6 +34,64 @@ class Split(NamedTuple):
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule | None  # None when no output needs a gradient
     outs: tuple                       # the compiled function's outputs on the example inputs
+    backward_python: tuple[str, ...]  # the user's Python code the backward ran (see :func:`backward_python`)
+
+
+#: Custom Functions whose backward reads no Python state a call can change: PyTorch's, torch_xla's, this
+#: package's. Module backward hooks run the user's hooks through one of PyTorch's, so it does not count.
+_TRUSTED = ("torch.", "torch_xla.", "torch_xla_ext.")
+_MODULE_HOOKS = "BackwardHookFunction"
+
+
+def _describe_function(cls: type) -> str:
+    if cls.__name__ == _MODULE_HOOKS:
+        return "a module backward hook (register_full_backward_hook)"
+    backward = getattr(cls, "backward", None)
+    code = getattr(backward, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{cls.__qualname__}.backward{where}"
+
+
+def _install_backward_recording() -> None:
+    """Let the engine's call of a custom Function's backward note, on a recording thread, whose it is.
+
+    Installed once on PyTorch's ``BackwardCFunction.apply`` (which the engine
+    looks up at every call); elsewhere it only calls PyTorch's own.
+    """
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+    if getattr(original, "txe_recording", False):
+        return
+
+    def apply(self, *args):
+        seen = getattr(_local, "backward_python", None)
+        if seen is not None:
+            cls = self._forward_cls
+            if cls.__name__ == _MODULE_HOOKS or not cls.__module__.startswith(_TRUSTED):
+                seen.append(_describe_function(cls))
+        return original(self, *args)
+
+    apply.txe_recording = True  # type: ignore[attr-defined]
+    BackwardCFunction.apply = apply  # type: ignore[method-assign]
+
+
+def note_backward_python(what: str) -> None:
+    """Record, while :func:`split` runs on this thread, that the backward runs the user's Python ``what``."""
+    seen = getattr(_local, "backward_python", None)
+    if seen is not None:
+        seen.append(what)
+
+
+@contextlib.contextmanager
+def _recording_backward_python() -> Iterator[list[str]]:
+    _install_backward_recording()
+    outer = getattr(_local, "backward_python", None)
+    _local.backward_python = seen = []
+    try:
+        yield seen
+    finally:
+        _local.backward_python = outer
 
 
 def _decompositions() -> dict:
@@ -92,6 +150,14 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
     function once, seeded with ones, on the example inputs ``args`` (which
     hold no data anyone reads: nothing is executed). The forward runs under
     the caller's autocast, the backward without (see :mod:`.autocast`).
+
+    ``backward_python`` names the user's Python code that tracing the
+    backward ran: a custom ``autograd.Function``'s backward not from PyTorch,
+    torch_xla or this package, a module backward hook, a tensor hook the step
+    registered (noted by the lifter, :func:`note_backward_python`). What such
+    code reads (a coefficient on a schedule, a hook's closure) is in no
+    forward trace, so a plan with it is lowered again at every call
+    (:class:`~torch_xla_ext._scan.cache._Plan`'s ``cacheable``).
     """
     from functorch.compile import aot_function, default_partition, make_boxed_func
 
@@ -110,7 +176,8 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
         with autocast.on(callers), autocast.refusing_what_it_would_change(callers):
             return primal_fn(*primals)
 
-    with torch.enable_grad(), scan_step_trace(), _host_rng_left_alone(), autocast.off():
+    with (torch.enable_grad(), scan_step_trace(), _host_rng_left_alone(), autocast.off(),
+          _recording_backward_python() as backward_python):
         compiled = aot_function(forward_as_called, fw_compiler=capture("fw"), bw_compiler=capture("bw"),
                                 partition_fn=partition_fn or default_partition,
                                 decompositions=_decompositions(), enable_log=False)
@@ -118,4 +185,4 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
         diff = [o for o in outs if o.requires_grad]
         if diff:
             torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
-    return Split(captured["fw"], captured.get("bw"), tuple(outs))
+    return Split(captured["fw"], captured.get("bw"), tuple(outs), tuple(dict.fromkeys(backward_python)))

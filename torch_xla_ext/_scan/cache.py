@@ -39,6 +39,11 @@ class _Plan:
     loop: _Loop | None = None      # forward-only
     grad: _GradPlan | None = None  # with autograd
 
+    @property
+    def cacheable(self) -> bool:
+        """False when the backward runs the user's Python (its state is in no trace): lowered anew each call."""
+        return self.grad is None or not self.grad.backward_python
+
 
 class ScanCacheInfo(NamedTuple):
     """Counters of :func:`scan`'s trace cache (process-wide)."""
@@ -107,7 +112,7 @@ def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool
     plan = make()
     with _cache_lock:
         _counters["traces"] += 1
-        if pure and owner is not None:
+        if pure and owner is not None and plan.cacheable:
             entry = _cache.setdefault(owner, {})
             entry[key] = plan
             while len(entry) > _PLANS_PER_FN:

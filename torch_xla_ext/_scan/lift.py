@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,11 +40,13 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from .._xla import xlac
+from .aot import note_backward_python
 from .errors import ScanUnsupportedError
 from .draws import TORCH_CPU, torch_host_draw
-from .guard import host_read, refusing_draw, user_frame
+from .guard import describe_callable, host_read, refusing_draw, user_frame
 
 __all__ = ["Lifter", "is_inplace_call", "ValueIdentity", "bits_key", "content_digest"]
 
@@ -254,6 +257,15 @@ class Lifter(TorchFunctionMode):
             )
         return self._add(value, self._standin_for(value))
 
+    def _register_hook(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """A tensor hook ``fn`` registers: the backward runs it (noted for AOTAutograd's split, see
+        :func:`~torch_xla_ext._scan.aot.split`); the lifting trace, which runs without autograd, skips it."""
+        tensor, hook = (list(args) + [kwargs.get("hook")])[:2]
+        note_backward_python(f"a tensor hook ({describe_callable(hook)}) registered at {user_frame()}")
+        if not tensor.requires_grad:
+            return RemovableHandle(OrderedDict())
+        return func(*args, **kwargs)
+
     # ------------------------------------------------------------- fingerprint
     def _describe(self, value: Any) -> Any:
         """A hashable description of an argument: by value, by role, or (host tensors) by identity and version."""
@@ -324,6 +336,8 @@ class Lifter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.register_hook:
+            return self._register_hook(func, args, kwargs)
         read = host_read(func, args, kwargs)
         if read is not None:
             raise self._refuse(ScanUnsupportedError(
