@@ -122,3 +122,21 @@ def test_scan_layers_whose_layers_run_such_a_backward_give_the_loops_gradients(d
                 assert_close_derived(got, want, 3 * 8 * 2, msg=f"stacked={stacked}, coef {coef}")
     finally:
         COEF = 1.0
+
+
+def test_an_unchanged_backward_state_reuses_the_lowered_loop(device):
+    from torch_xla_ext.scan import scan_cache_info
+
+    xs = torch.linspace(0.1, 1.0, 12).reshape(3, 4).to(device)
+    w = torch.full((4,), 0.5, device=device, requires_grad=True)
+
+    def step(c, x):
+        return torch.tanh(_Reverse.apply(c * x)), None
+
+    counts = []
+    for _ in range(3):
+        before = scan_cache_info()
+        txe.scan(step, w * 1, xs)[0].sum().backward()
+        after = scan_cache_info()
+        counts.append((after.traces - before.traces, after.hits - before.hits))
+    assert counts[1:] == [(0, 1), (0, 1)], counts

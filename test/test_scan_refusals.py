@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 
 import torch_xla_ext as txe
 
@@ -192,9 +193,9 @@ def test_device_random_draws_still_differ_per_iteration_and_reproduce(device):
     def step(c, x):
         return c, torch.rand(4, device=x.device) + x
 
-    torch.manual_seed(7)
+    xm.set_rng_state(7)  # the device's generator (torch.manual_seed seeds the host's)
     _, a = txe.scan(step, torch.zeros(4, device=device), torch.zeros(3, 4, device=device))
-    torch.manual_seed(7)
+    xm.set_rng_state(7)
     _, b = txe.scan(step, torch.zeros(4, device=device), torch.zeros(3, 4, device=device))
     a, b = a.cpu(), b.cpu()
     assert torch.equal(a, b)

@@ -30,10 +30,14 @@ layered; each module holds one idea and imports only the ones above it:
 ``homogeneous`` whether layers can share one traced step (members, attributes).
 ``stored``    ``stack_layers``: a stack's parameters stored as one ``[L, ...]``
               parameter per name, which ``scan_layers`` reads with no copy.
+``stored_contract`` what a stacked layer answers per parameter (PyTorch's
+              numbers or ``StackedLayerError`` where the user wrote it), and
+              the records stacking keeps on layers.
 ``layers``    ``scan_layers`` on top of ``api``'s stages (its checks run between
               them), ``homogeneous`` and ``stacking``.
-``errors``    ``ScanInputError`` (bad arguments) and ``ScanUnsupportedError``
-              (what a traced loop cannot do as the Python loop does).
+``errors``    ``ScanInputError`` (bad arguments), ``ScanUnsupportedError``
+              (what a traced loop cannot do as the Python loop does) and
+              ``StackedLayerError`` (a per-layer operation on stacked layers).
 ``dynamo``    scans refuse to run inside ``torch.compile`` (and why).
 
 Every call traces ``fn`` (host-side, cheap); a lowered loop is reused only for

@@ -34,7 +34,8 @@ class Split(NamedTuple):
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule | None  # None when no output needs a gradient
     outs: tuple                       # the compiled function's outputs on the example inputs
-    backward_python: tuple[str, ...]  # the user's Python code the backward ran (see :func:`backward_python`)
+    backward_python: tuple[str, ...]  # the user's Python code the backward ran (see :func:`split`)
+    backward_functions: tuple[type, ...]  # the custom Functions among it (their classes)
 
 
 #: Custom Functions whose backward reads no Python state a call can change: PyTorch's, torch_xla's, this
@@ -69,7 +70,7 @@ def _install_backward_recording() -> None:
         if seen is not None:
             cls = self._forward_cls
             if cls.__name__ == _MODULE_HOOKS or not cls.__module__.startswith(_TRUSTED):
-                seen.append(_describe_function(cls))
+                seen.append((_describe_function(cls), cls))
         return original(self, *args)
 
     apply.txe_recording = True  # type: ignore[attr-defined]
@@ -80,11 +81,11 @@ def note_backward_python(what: str) -> None:
     """Record, while :func:`split` runs on this thread, that the backward runs the user's Python ``what``."""
     seen = getattr(_local, "backward_python", None)
     if seen is not None:
-        seen.append(what)
+        seen.append((what, None))
 
 
 @contextlib.contextmanager
-def _recording_backward_python() -> Iterator[list[str]]:
+def _recording_backward_python() -> Iterator[list[tuple[str, type | None]]]:
     _install_backward_recording()
     outer = getattr(_local, "backward_python", None)
     _local.backward_python = seen = []
@@ -155,9 +156,10 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
     backward ran: a custom ``autograd.Function``'s backward not from PyTorch,
     torch_xla or this package, a module backward hook, a tensor hook the step
     registered (noted by the lifter, :func:`note_backward_python`). What such
-    code reads (a coefficient on a schedule, a hook's closure) is in no
-    forward trace, so a plan with it is lowered again at every call
-    (:class:`~torch_xla_ext._scan.cache._Plan`'s ``cacheable``).
+    code reads (a coefficient on a schedule, a hook's closure, a value kept
+    on ``ctx``) is in no forward trace: a plan with it is reused only while
+    that state is unchanged
+    (:func:`~torch_xla_ext._scan.state.backward_state_key`).
     """
     from functorch.compile import aot_function, default_partition, make_boxed_func
 
@@ -185,4 +187,6 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
         diff = [o for o in outs if o.requires_grad]
         if diff:
             torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
-    return Split(captured["fw"], captured.get("bw"), tuple(outs), tuple(dict.fromkeys(backward_python)))
+    return Split(captured["fw"], captured.get("bw"), tuple(outs),
+                 tuple(dict.fromkeys(what for what, _ in backward_python)),
+                 tuple(dict.fromkeys(cls for _, cls in backward_python if cls is not None)))

@@ -21,7 +21,7 @@ from .errors import ScanInputError, ScanUnsupportedError
 from .guard import describe_callable, one_call_at_a_time, refuse_nested
 from .loop import MAX_LENGTH, _lower, _run
 from .sharding import _canonical_specs, _shard_like
-from .state import ReachableState
+from .state import ReachableState, backward_state_key
 from .trace import (Sig, _signature, _trace, _Traced, clear_frame_locals, neutralize_made, refuse_kept_intermediates,
                     same_trace)
 
@@ -360,9 +360,16 @@ def plan(owner: Callable, key: tuple, captured: Captured, recapture: Callable[[]
     def make() -> _Plan:
         if not captured.per_iteration:  # else every iteration was traced already
             _refuse_self_changing(captured, recapture, owner)
-        return _make_plan(captured.step, captured.traced, init_l, xs_l, length, reverse, partition_fn)
+        made = _make_plan(captured.step, captured.traced, init_l, xs_l, length, reverse, partition_fn)
+        if made.grad is not None and made.grad.backward_python:
+            made.backward_state = backward_state_key(owner, made.grad.backward_functions)
+        return made
 
-    return _cached_plan(owner, key, make, pure)
+    def valid(cached: _Plan) -> bool:  # state only the backward reads is in no trace: compared here
+        return cached.backward_state is None or (
+            backward_state_key(owner, cached.grad.backward_functions) == cached.backward_state)
+
+    return _cached_plan(owner, key, make, pure, valid)
 
 
 def _refuse_self_changing(captured: Captured, recapture: Callable[[], Captured], fn: Callable) -> None:

@@ -235,6 +235,7 @@ class _GradPlan:
         self.num_y = len(outs) - primals.n_c
         self.fw, self.bw = captured.fw, captured.bw
         self.backward_python = captured.backward_python
+        self.backward_functions = captured.backward_functions
         self.grad_mask = [a.requires_grad for a in args]
         out_nodes = list(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
         placeholders = [n for n in self.fw.graph.nodes if n.op == "placeholder"]

@@ -38,11 +38,9 @@ class _Plan:
     held: list[Any]               # objects the fingerprint names by identity (kept alive with it)
     loop: _Loop | None = None      # forward-only
     grad: _GradPlan | None = None  # with autograd
-
-    @property
-    def cacheable(self) -> bool:
-        """False when the backward runs the user's Python (its state is in no trace): lowered anew each call."""
-        return self.grad is None or not self.grad.backward_python
+    #: With a backward that runs the user's Python: the state it may read, keyed when the plan was made
+    #: (:func:`~torch_xla_ext._scan.state.backward_state_key`); the plan serves only calls that key the same.
+    backward_state: Any = None
 
 
 class ScanCacheInfo(NamedTuple):
@@ -99,21 +97,26 @@ def clear_scan_cache() -> None:
             hook()
 
 
-def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool) -> _Plan:
+def _cached_plan(fn: Callable, key: tuple, make: Callable[[], _Plan], pure: bool,
+                 valid: Callable[[_Plan], bool] = lambda plan: True) -> _Plan:
+    """The plan cached for ``key`` when ``valid`` accepts it (called outside the lock), else ``make()``'s, cached."""
     owner, key = _cache_slot(fn, key)
     if pure and owner is not None:
         with _cache_lock:
             entry = _cache.get(owner)
             plan = entry.get(key) if entry else None
-            if plan is not None:
-                entry[key] = entry.pop(key)  # most recently used last
+        if plan is not None and valid(plan):
+            with _cache_lock:
+                if entry.get(key) is plan:
+                    entry[key] = entry.pop(key)  # most recently used last
                 _counters["hits"] += 1
-                return plan
+            return plan
     plan = make()
     with _cache_lock:
         _counters["traces"] += 1
-        if pure and owner is not None and plan.cacheable:
+        if pure and owner is not None:
             entry = _cache.setdefault(owner, {})
+            entry.pop(key, None)  # (a plan the call found stale is replaced)
             entry[key] = plan
             while len(entry) > _PLANS_PER_FN:
                 del entry[next(iter(entry))]

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .homogeneous import attribute_key, value_key
 
-__all__ = ["ReachableState"]
+__all__ = ["ReachableState", "backward_state_key"]
 
 #: Objects never keyed: they hold no per-call state a step computes with, or are themselves code.
 _SKIPPED = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
@@ -104,3 +104,30 @@ class ReachableState:
     def changed(self) -> list[str]:
         """The names whose contents differ from the snapshot's."""
         return [name for name, value in self._objects.items() if _key(value) != self._before[name]]
+
+
+def backward_state_key(fn: Callable, functions: Sequence[type]) -> tuple:
+    """What Python that only a step's backward runs may read, keyed by contents (comparable across calls).
+
+    ``fn``'s reachable state (a value it hands a custom Function, kept on
+    ``ctx``; a hook's closure), the backward hooks of the modules it reaches,
+    and each of ``functions``' backward's own reachable state (a module
+    global such as a schedule's coefficient). A plan whose backward runs such
+    code is reused only for a call whose key is equal.
+    """
+    found: dict[str, Any] = {}
+    _reachable(fn, found, set())
+    for cls in functions:
+        of_backward: dict[str, Any] = {}
+        _reachable(getattr(cls, "backward", None), of_backward, set())
+        found.update({f"{cls.__qualname__}.backward: {name}": value for name, value in of_backward.items()})
+    for name, value in list(found.items()):
+        if isinstance(value, torch.nn.Module):
+            for path, module in torch.nn.Module.named_modules(value):
+                hooks = (*module._backward_pre_hooks.values(), *module._backward_hooks.values())
+                for k, hook in enumerate(hooks):
+                    of_hook: dict[str, Any] = {}
+                    _reachable(hook, of_hook, set())
+                    found.update({f"{name}.{path} hook {k}: {n}": v for n, v in of_hook.items()})
+                    found[f"{name}.{path} hook {k}"] = getattr(hook, "__code__", hook)
+    return tuple((name, _key(value)) for name, value in found.items())
