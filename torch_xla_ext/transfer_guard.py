@@ -83,6 +83,7 @@ from ._format import format_bytes
 from ._transfer import calls as _calls
 from ._transfer.attribution import RUNNING_WAIT_S, Attribution, attribute
 from ._transfer.calls import Call
+from ._transfer.errors import HostTransferError
 from ._transfer.explicit import InterceptMode, describe
 from ._transfer.metrics import D2H, H2D, Snapshot, TransferStats, read_snapshot, read_stats
 from ._transfer.tracebacks import hide_from_pytest
@@ -97,8 +98,9 @@ __all__ = [
     "transfer_guard_host_to_device",
 ]
 
-# Public home of the stats record (what help(), reprs of the class and pickles name).
+# Public home of the stats record and the error (what help(), reprs of the classes and pickles name).
 TransferStats.__module__ = __name__
+HostTransferError.__module__ = __name__
 
 # pytest leaves this module's frames out of a HostTransferError's traceback (see
 # torch_xla_ext._transfer.tracebacks; the pytest plugin also drops torch's frames
@@ -107,10 +109,6 @@ __tracebackhide__ = hide_from_pytest
 
 Mode = Literal["allow", "log", "disallow"]
 _MODES: tuple[str, ...] = ("allow", "log", "disallow")
-
-
-class HostTransferError(RuntimeError):
-    """A transfer between host and XLA device happened where a guard disallows it."""
 
 
 # --------------------------------------------------------------------------- #

@@ -24,6 +24,8 @@ import os
 from types import CodeType, TracebackType
 from typing import Any
 
+from .errors import HostTransferError
+
 _TRANSFER_DIR = os.path.dirname(os.path.abspath(__file__))
 _GUARD_FILES = frozenset(
     [os.path.join(os.path.dirname(_TRANSFER_DIR), "transfer_guard.py")]
@@ -33,8 +35,6 @@ _CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 
 def _is_host_transfer_error(exc: Any) -> bool:
-    from ..transfer_guard import HostTransferError  # imported by now: the guard's modules import this one
-
     return isinstance(exc, HostTransferError)
 
 
