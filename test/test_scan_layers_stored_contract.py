@@ -12,7 +12,6 @@ import io
 
 import pytest
 import torch
-import torch_xla
 
 import torch_xla_ext as txe
 from scan_blocks import make_blocks

@@ -359,8 +359,8 @@ def lowering_devices(chips: int) -> int:
 
 def _check_placements(model: Any, devices: int, chips: int) -> None:
     """Refuse a model fully_shard would place otherwise on ``chips`` than on the ``devices`` it was lowered on."""
-    from ._scan.stored import is_stacked
-    from .distributed._param import applied_spec, default_placement
+    from ._contract import applied_spec, is_stacked
+    from .distributed._param import default_placement
 
     for name, p in model.named_parameters():
         spec = applied_spec(p)
@@ -393,7 +393,7 @@ def _sharded_tokens(cfg: Any, batch: int, seq: int, mesh: Any) -> Any:
 
 def _spec_of(p: Any) -> tuple | None:
     """The partition spec fully_shard gave ``p`` (None: replicated)."""
-    from .distributed._param import applied_spec
+    from ._contract import applied_spec
 
     spec = applied_spec(p)
     return None if spec is None or all(s is None for s in spec) else spec

@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._annotate import is_fake_tensor
+from .._contract import as_whole
 from . import api as stages
 from .cache import on_clear
 from .dynamo import refused_under_compile
@@ -22,7 +23,6 @@ from .homogeneous import (attribute_groups, attribute_key, attribute_values, by_
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .stored import stored_slices
-from .stored_contract import as_whole
 from .trace import refuse_kept_intermediates, same_trace
 
 

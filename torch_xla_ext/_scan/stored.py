@@ -38,13 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._contract import STACKED_NAMES as _NAMES, applied_spec
 from .errors import ScanInputError
 from .stored_contract import (LAYER as _LAYER, MEMBER, SLOTS as _SLOTS, container_class, mark_replaced,
                               member_class, refuse_outside_holders, register_stacked)
 
-__all__ = ["stack_layers", "is_stacked", "stored_slices", "refuse_nested_storage"]
-
-_NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
+__all__ = ["stack_layers", "stored_slices", "refuse_nested_storage"]
 
 # Container -> each per-layer key its load pre-hook handled in the load under way, with the holder module
 # whose own hook must then stand aside. Keys, not a flag: a load that raised between the list's pre- and
@@ -52,14 +51,6 @@ _NAMES = "_txe_stacked_names"   # on the container: {qualified name: key}
 # shorter key (relative to where that load started), so it still writes its slices.
 # The holders are held weakly: they refer to the container, which must stay collectable.
 _loads: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
-
-
-def is_stacked(holder: nn.Module, name: str) -> bool:
-    """Whether ``holder``'s parameter ``name`` is one :func:`stack_layers` made (its dim 0 indexes the layers).
-
-    Read from the holder (the ModuleList), so a ``copy.deepcopy`` of the model answers like the original.
-    """
-    return name in holder.__dict__.get(_NAMES, {}).values()
 
 
 def _key(name: str) -> str:
@@ -103,7 +94,6 @@ def stack_layers(layers: nn.ModuleList) -> None:
     anything when the layers cannot be stored stacked.
     """
     from .._placeholders import is_placeholder
-    from ..distributed._param import applied_spec
     from .homogeneous import check_members
 
     if not isinstance(layers, nn.ModuleList):

@@ -36,21 +36,20 @@ refuses where the user wrote it:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._contract import STACKED_NAMES, as_whole, whole
 from .._weak import WeakIdMap
 from .errors import ScanInputError, StackedLayerError
 
-__all__ = ["as_whole", "member_class", "container_class", "row", "refuse_outside_holders", "register_stacked", "mark_replaced",
+__all__ = ["member_class", "container_class", "row", "refuse_outside_holders", "register_stacked", "mark_replaced",
            "LAYER", "SLOTS", "MEMBER", "RECORDS"]
 
 LAYER = "_txe_stacked_layer"    # on each layer: (container, index)
@@ -63,9 +62,6 @@ RECORDS = frozenset({LAYER, SLOTS, MEMBER})
 
 _member_classes: dict[type, type] = {}
 _container_classes: dict[type, type] = {}
-# Set while the ModuleList of stacked layers converts itself and its layers, and while this package calls
-# PyTorch code that walks a stacked layer's parameters for its own use (functional_call's tie check).
-_whole = threading.local()
 
 # Stacked parameter -> its qualified per-layer name; per-layer parameter stacking replaced -> where its values
 # went; optimizer -> the groups' signature last checked. Weak: a dropped model or optimizer leaves no entry.
@@ -193,7 +189,7 @@ class _Member:
         )
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
-        if not getattr(_whole, "depth", 0) and _holds_rows(self, recurse):  # type: ignore[arg-type]
+        if not whole() and _holds_rows(self, recurse):  # type: ignore[arg-type]
             raise self._refuse(
                 "named_parameters()/parameters()",
                 "Take the model's or the ModuleList's parameters (each stacked parameter once), and build "
@@ -206,7 +202,7 @@ class _Member:
         return super().parameters(recurse)  # type: ignore[misc]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        if not getattr(_whole, "depth", 0) and _holds_rows(self):  # type: ignore[arg-type]
+        if not whole() and _holds_rows(self):  # type: ignore[arg-type]
             raise self._refuse("to()/half()/float()/cpu()",
                                "Convert the model or the ModuleList: one layer's rows cannot change dtype or "
                                "device alone.")
@@ -269,16 +265,6 @@ class _Container:
         register_stacked(self)  # type: ignore[arg-type]
 
 
-@contextlib.contextmanager
-def as_whole() -> Iterator[None]:
-    """Within: a stacked layer's modules answer ``named_parameters`` and ``_apply`` as PyTorch's (this thread)."""
-    _whole.depth = getattr(_whole, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _whole.depth -= 1
-
-
 def _subclass(cls: type, mixin: type, cache: dict[type, type]) -> type:
     sub = cache.get(cls)
     if sub is None:
@@ -337,7 +323,7 @@ def refuse_outside_holders(layers: nn.ModuleList, params: dict[int, str]) -> Non
 def register_stacked(container: nn.Module) -> None:
     """Record ``container``'s stacked parameters for the optimizer-step check (and install that check)."""
     global _hook_handle
-    for name, key in container.__dict__.get("_txe_stacked_names", {}).items():
+    for name, key in container.__dict__.get(STACKED_NAMES, {}).items():
         p = container._parameters.get(key)
         if p is not None:
             _STACKED[p] = name

@@ -23,7 +23,8 @@ import torch.nn as nn
 from . import _traversal
 from .._annotate import mark_sharding
 from .._xla import torch_xla_device, xlac
-from ._param import applied_spec, move_to
+from .._contract import applied_spec
+from ._param import move_to
 from ._state import FSDPState, holder_record
 
 __all__ = ["hook_loads"]

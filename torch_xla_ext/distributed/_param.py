@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from .._contract import applied_spec, record_applied
 from .._weak import WeakIdMap
 
 from .._annotate import Annotator, annotate_sharding, fresh_node, is_replicated_spec, mark_sharding
@@ -23,8 +24,6 @@ from .._xla import torch_xla_device, xla_builder, xlac
 
 __all__ = [
     "Gather",
-    "applied_count",
-    "applied_spec",
     "axis_size",
     "current_spec",
     "default_placement",
@@ -32,7 +31,6 @@ __all__ = [
     "hook_gradient",
     "move_to",
     "place",
-    "record_applied",
     "resolve_mesh",
     "shard_new",
     "spec_for",
@@ -129,24 +127,6 @@ def current_spec(t: torch.Tensor) -> str:
     return "" if is_replicated_spec(spec) else spec
 
 
-# Parameters this library placed -> the partition spec applied. Keyed by
-# identity and held weakly: an entry goes when its parameter is freed.
-_applied: WeakIdMap = WeakIdMap()
-
-
-def applied_spec(p: torch.Tensor) -> tuple | None:
-    """The partition spec fully_shard gave ``p``, or None when it never placed ``p``."""
-    return _applied.get(p)
-
-
-def record_applied(p: torch.Tensor, spec: tuple) -> None:
-    """Remember that ``p`` was placed with ``spec`` (for as long as ``p`` lives)."""
-    _applied[p] = spec
-
-
-def applied_count() -> int:
-    """How many live parameters fully_shard has placed (diagnostics and tests)."""
-    return len(_applied)
 
 
 def move_to(p: nn.Parameter, device: torch.device) -> None:

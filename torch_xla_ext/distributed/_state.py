@@ -30,7 +30,8 @@ import torch.utils._pytree as pytree
 from .._weak import WeakIdMap
 
 from .._annotate import annotate_sharding, in_scan_step_trace, mesh_text, shard_activation
-from ._param import Gather, applied_spec, axis_size, hook_gradient, place, spec_string
+from .._contract import applied_spec
+from ._param import Gather, axis_size, hook_gradient, place, spec_string
 
 __all__ = [
     "FSDPState",

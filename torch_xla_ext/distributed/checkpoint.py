@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._scan.stored_contract import as_whole
+from .._contract import as_whole
 
 __all__ = ["load_sharded", "save_sharded"]
 

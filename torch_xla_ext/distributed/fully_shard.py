@@ -95,7 +95,6 @@ from ._dynamo import mark_managed
 from ._load import hook_loads
 from ._ownership import fully_sharded_in, plan, survey
 from ._param import (
-    applied_spec,
     axis_size,
     current_spec,
     default_placement,
@@ -121,7 +120,7 @@ from ._state import (
     replicate_state,
 )
 from .._partitionable import partition_layer_norms
-from .._scan.stored import is_stacked
+from .._contract import applied_spec, is_stacked
 from . import _traversal
 from ._traversal import lr_dfs
 
