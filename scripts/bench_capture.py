@@ -85,10 +85,10 @@ class _RetraceClock:
     """Accumulates the wall time scan spends re-tracing fn (its ``_trace``)."""
 
     def __init__(self) -> None:
-        from torch_xla_ext._scan import api
+        from torch_xla_ext._scan import stages
 
         self.total = 0.0
-        inner = api._trace
+        inner = stages._trace
 
         @functools.wraps(inner)
         def timed(*args, **kwargs):
@@ -98,7 +98,7 @@ class _RetraceClock:
             finally:
                 self.total += time.perf_counter() - t0
 
-        api._trace = timed
+        stages._trace = timed
 
 
 def measure(model: str, n: int, steps: int, clock: _RetraceClock) -> dict[str, float]:

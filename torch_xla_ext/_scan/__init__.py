@@ -24,8 +24,9 @@ layered; each module holds one idea and imports only the ones above it:
               without its process-wide generator snapshot.
 ``autograd``  the forward and backward graphs, each run as a loop.
 ``cache``     the one registry of lowered loops (keyed by fn and fingerprint).
-``api``       ``scan``: argument checks, and one call as four stages: ``capture``
-              (trace fn), ``cache_key``, ``plan`` (look up or lower), ``run``.
+``stages``    one call as four stages: ``capture`` (trace fn), ``cache_key``,
+              ``plan`` (look up or lower), ``run``.
+``api``       ``scan``: argument checks and flattening, then the stages.
 ``stacking``  stacking homogeneous layers' members, handing gradients back.
 ``homogeneous`` whether layers can share one traced step (members, attributes).
 ``stored``    ``stack_layers``: a stack's parameters stored as one ``[L, ...]``

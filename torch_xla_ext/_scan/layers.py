@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from .._annotate import is_fake_tensor
 from .._contract import as_whole
-from . import api as stages
+from . import stages
 from .cache import on_clear
 from .dynamo import refused_under_compile
 from .errors import ScanInputError

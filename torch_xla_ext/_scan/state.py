@@ -11,7 +11,7 @@ what ``fn`` can reach directly: its closure cells, the globals its code
 names, its defaults, ``self`` of a bound method, the arguments of a
 ``functools.partial``, and a module's attributes (those of its submodules
 too). A trace that changed any of it is followed by one trace per remaining
-iteration (:func:`~torch_xla_ext._scan.api.capture`): the same state
+iteration (:func:`~torch_xla_ext._scan.stages.capture`): the same state
 sequence the loop would see, the same side effects, and a refusal at the
 first iteration that traces differently, whatever the period of the change.
 State reached only through other functions' globals, and containers past
