@@ -193,7 +193,7 @@ def _run(loop: _Loop, init: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], 
         # A fresh base seed per call drawn on the device, from torch_xla's
         # generator, as the eager loop's random ops on the device draw: the
         # host generators (torch's CPU one included) stay where the loop
-        # leaves them. Step idx uses base + idx. Nothing moves either way.
+        # leaves them. Step idx uses base + idx. Nothing moves to the host.
         seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
     operands = _Groups(
         i=torch.zeros((), dtype=torch.int32, device=device),
