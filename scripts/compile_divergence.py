@@ -17,7 +17,7 @@ With ``--taken`` another compiled copy of the model first runs a forward on
 every device batch. The bridge then finds no argument for the batch in the
 graph compiled later and keeps the first call's batch as a constant: from the
 second call on every gradient differs, the linear head's too, by far more
-than the embedding's alone without the flag (README, Known limitations).
+than the embedding's alone without the flag (docs/limitations.md).
 
 Usage::
 

@@ -1,10 +1,10 @@
-"""The README's platform note on autograd's device queues: its advice holds, and is needed.
+"""The platform note on autograd's device queues (docs/design.md): its advice holds, and is needed.
 
 torch 2.9 sizes autograd's per-device queues once, at the first backward of the process, from the device
 counts the runtimes report then. Under SPMD, torch_xla's runtime reports none until it is initialized, and
 creating a tensor on the device does not initialize it: a CPU-only first backward then leaves every later XLA
 backward failing an internal assert. Initializing the runtime first (``xr.global_runtime_device_count()``)
-is the README's advice. Each case runs in its own child process (the queues are sized once per process).
+is the note's advice. Each case runs in its own child process (the queues are sized once per process).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def test_a_batch_an_earlier_compiled_graph_took_is_frozen_in_a_later_one_unless_
     # graph restamps the buffers of the tensors it took. A tensor another
     # compiled graph took first is then not recognised as an argument of a graph
     # compiled later: that graph keeps its buffer as a constant and reads the
-    # first call's batch on every call (README, Known limitations). A copy made
+    # first call's batch on every call (docs/limitations.md). A copy made
     # on the device (clone, then sync) owns a buffer of its own and trains right.
     reference = tiny_decoder(use_scan=False)
     batches = _new_batches(device, mesh, seed=3)

@@ -11,6 +11,9 @@ import torch
 from child_process import run_surviving
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+#: The guides, in the order they are read: a block may use what an earlier one (or README's) made.
+GUIDES = [README.parent / "docs" / name for name in
+          ("scan.md", "fsdp.md", "guards.md", "tpu.md", "limitations.md", "hf.md", "design.md")]
 
 
 def example_code() -> str:
@@ -30,16 +33,20 @@ def test_readme_example_runs(capsys):
     assert "Parameters (3)" in out and "Host transfers (0)" in out
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    """Every block fenced as ``python``, in order, with the line it starts on (listings are fenced as text)."""
-    text = README.read_text()
-    blocks, start = [], 0
-    while (start := text.find("```python\n", start)) != -1:
-        body = start + len("```python\n")
-        end = text.index("```", body)
-        # A block inside a list item is indented like the item.
-        blocks.append((text.count("\n", 0, start) + 1, textwrap.dedent(text[body:end])))
-        start = end + 3
+def python_blocks() -> list[tuple[str, str]]:
+    """Every block fenced as ``python`` in README.md, then in each guide, in order, with ``file:line`` where it
+    starts (listings are fenced as text)."""
+    blocks = []
+    for path in [README, *GUIDES]:
+        text = path.read_text()
+        start = 0
+        while (start := text.find("```python\n", start)) != -1:
+            body = start + len("```python\n")
+            end = text.index("```", body)
+            # A block inside a list item is indented like the item.
+            where = f"{path.relative_to(README.parent)}:{text.count(chr(10), 0, start) + 1}"
+            blocks.append((where, textwrap.dedent(text[body:end])))
+            start = end + 3
     return blocks
 
 
@@ -49,9 +56,9 @@ sys.path.insert(0, sys.argv[1])
 from test_readme import python_blocks, README
 module = types.ModuleType("readme_blocks")  # a real module: dynamo looks the globals' module up by name
 sys.modules[module.__name__] = module
-for line, code in python_blocks():
-    print(f"--- block at README.md:{line}", flush=True)
-    exec(compile(code, f"{README}:{line}", "exec"), module.__dict__)
+for where, code in python_blocks():
+    print(f"--- block at {where}", flush=True)
+    exec(compile(code, where, "exec"), module.__dict__)
 print("fits:", module.__dict__["r"].fits)
 """
 
@@ -63,6 +70,6 @@ def test_every_python_block_runs_in_order(tmp_path, monkeypatch):
     assert len(python_blocks()) >= 8
     monkeypatch.chdir(tmp_path)
     out = run_surviving(tmp_path, _RUN_BLOCKS, str(pathlib.Path(__file__).resolve().parent))
-    assert out.count("--- block at README.md:") == len(python_blocks())
+    assert out.count("--- block at ") == len(python_blocks())
     assert (tmp_path / "out" / "checkpoint-4" / "sharded").is_dir()
     assert "fits: True" in out  # the TPU fit check's result for the tiny Llama

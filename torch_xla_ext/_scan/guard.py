@@ -17,7 +17,7 @@ while ``fn`` is traced:
   ``torch_xla.sync()`` on any thread executes every live lazy tensor of the
   device, the trace's placeholders included, and would crash the process.
   While any thread traces, such an execution on another thread raises
-  torch_xla's "Unexpected execution" error instead (README, *Threads*).
+  torch_xla's "Unexpected execution" error instead (docs/scan.md, *Threads*).
   Traces on several threads (a forward on one, the backward's lazy trace on
   autograd's device thread) hold the switch together: it is back on when the
   last of them ends, never before and never left off;
