@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._masks import causal_mask
+from ._masks import causal_mask
 from ._prepare import PreparedOptions, prepare, prepared_options
 from ._scan_stack import ScannedLayers, scan_decoder_layers
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .._masks import check_mask_window, model_window
+from ._masks import check_mask_window, model_window
 from .._scan.errors import ScanInputError
 from .._scan.groups import POSITIONS, layer_groups
 from .._scan.homogeneous import allow_hooks
@@ -86,7 +86,7 @@ class _Options:
         self.is_layer_pure = is_layer_pure
         self.owner = owner  # the module whose forward loops over the stack; its hooks are _Enter and _Leave
         self.hook_ids: tuple[int, int] = (-1, -1)  # (pre-hook, hook) ids in owner's hook dicts
-        self.window = window  # the model's sliding window (see torch_xla_ext._masks.model_window)
+        self.window = window  # the model's sliding window (see torch_xla_ext.hf._masks.model_window)
         self.group_size = group_size  # the period of config.layer_types (1: every layer alike)
         self.local = threading.local()  # .depth: the owner's forwards running; .masks: their attention_mask
 

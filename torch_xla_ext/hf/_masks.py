@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._scan.errors import ScanInputError
+from .._scan.errors import ScanInputError
 
 __all__ = ["causal_mask", "check_mask_window", "model_window", "packed_segments"]
 
