@@ -356,7 +356,7 @@ def test_no_registry_grows_with_modules_created_and_dropped(mesh):
     import weakref
 
     from torch_xla_ext import _contract
-    from torch_xla_ext.distributed import _state
+    from torch_xla_ext.distributed import _registry
     from torch_xla_ext.distributed.fully_shard import _fsdp_classes
 
     def shard_and_drop() -> weakref.ref:
@@ -370,11 +370,11 @@ def test_no_registry_grows_with_modules_created_and_dropped(mesh):
 
     shard_and_drop()  # the FSDP classes of Linear and Sequential: one per class, made once
     gc.collect()
-    before = (_state.registry_size(), _contract.applied_count(), len(_fsdp_classes))
+    before = (_registry.registry_size(), _contract.applied_count(), len(_fsdp_classes))
     refs = [shard_and_drop() for _ in range(100)]
     gc.collect()
     assert all(r() is None for r in refs)
-    assert (_state.registry_size(), _contract.applied_count(), len(_fsdp_classes)) == before
+    assert (_registry.registry_size(), _contract.applied_count(), len(_fsdp_classes)) == before
 
 
 def test_deepcopy_of_a_fully_sharded_model_is_fully_sharded(device, mesh):

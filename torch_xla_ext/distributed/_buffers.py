@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from . import _traversal
-from ._state import is_fully_sharded
+from ._registry import is_fully_sharded
 
 __all__ = ["ManagedBuffer", "check_buffers", "managed_buffers", "move_buffers"]
 

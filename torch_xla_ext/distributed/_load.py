@@ -25,7 +25,8 @@ from .._annotate import mark_sharding
 from .._xla import torch_xla_device, xlac
 from .._contract import applied_spec
 from ._param import move_to
-from ._state import FSDPState, holder_record
+from ._registry import holder_record
+from ._state import FSDPState
 
 __all__ = ["hook_loads"]
 

@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from . import _traversal
 from ._lca import param_owners_in
-from ._state import Slot, fully_sharded_modules, is_fully_sharded, is_replicated
+from ._registry import fully_sharded_modules, is_fully_sharded, is_replicated
+from ._state import Slot
 
 __all__ = ["Survey", "plan", "survey"]
 

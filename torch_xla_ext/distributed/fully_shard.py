@@ -104,11 +104,8 @@ from ._param import (
     spec_for,
     spec_string,
 )
-from ._state import (
-    FSDPState,
-    MixedPrecisionPolicy,
+from ._registry import (
     ReplicateState,
-    Slot,
     assign_ownership,
     copy_records,
     fsdp_state,
@@ -119,6 +116,7 @@ from ._state import (
     register_replicate,
     replicate_state,
 )
+from ._state import FSDPState, MixedPrecisionPolicy, Slot
 from .._partitionable import partition_layer_norms
 from .._contract import applied_spec, is_stacked
 from . import _traversal

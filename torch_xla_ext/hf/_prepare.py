@@ -18,7 +18,7 @@ import torch
 
 from ._masks import causal_mask, packed_segments
 from ..distributed import FSDPModule, MixedPrecisionPolicy, fully_shard
-from ..distributed._state import is_fully_sharded, is_replicated
+from ..distributed._registry import is_fully_sharded, is_replicated
 from ._scan_stack import ScannedLayers, argument_position, call_argument, find_stack, scan_decoder_layers
 
 __all__ = ["PreparedOptions", "prepare", "prepared_options"]
