@@ -228,7 +228,8 @@ def test_zero_iterations_still_pass_the_carry_gradient(device):
 
 @pytest.mark.parametrize("partition", [None, min_cut_rematerialization_partition], ids=["save", "mincut"])
 def test_backward_rereads_views_of_xs_instead_of_stacking_them(device, partition):
-    from torch_xla_ext._scan.autograd import _GradPlan, _Input, _Recompute
+    from torch_xla_ext._scan.autograd import _GradPlan
+    from torch_xla_ext._scan.saved import _Input, _Recompute
 
     def fn(c, w):  # c @ w.t() saves a transposed view of the x slice w for the backward
         return c * 2, c @ w.t()

@@ -22,6 +22,8 @@ layered; each module holds one idea and imports only the ones above it:
               without; what that capture would compute otherwise, refused.
 ``aot``       AOTAutograd's split of a step into forward and backward graphs,
               without its process-wide generator snapshot.
+``saved``     where each saved activation comes from (stacked, an input read
+              again, recomputed from one), and the primal inputs' layout.
 ``autograd``  the forward and backward graphs, each run as a loop.
 ``cache``     the one registry of lowered loops (keyed by fn and fingerprint).
 ``stages``    one call as four stages: ``capture`` (trace fn), ``cache_key``,
