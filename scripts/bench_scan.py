@@ -463,7 +463,7 @@ def run_tpu(args, cfg: Config, methods: list[str], fwds: dict[str, Callable], pa
     """Compile each method's forward + backward for ``args.tpu``; print the TPU compiler's figures and the goals."""
     import tpu_bench
     import torch_xla_ext as txe
-    from torch_xla_ext import _tpu_client
+    from torch_xla_ext.tpu import _client as _tpu_client
 
     devices = _tpu_client.topology_devices(args.tpu)
     jx = jax_setup(cfg, args.model, devices=devices) if "jax" in methods else None

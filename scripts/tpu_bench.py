@@ -49,7 +49,7 @@ def compile_jax(jitted, specs: Sequence, topology: str) -> tpu.CompiledForTpu:
     """JAX's own step ``jitted`` (in/out shardings over the topology's devices) compiled for ``topology``."""
     import time
 
-    from torch_xla_ext import _tpu_client
+    from torch_xla_ext.tpu import _client as _tpu_client
     from torch_xla_ext.hlo import read_hlo
     from torch_xla_ext.tpu import _describe
 

@@ -19,7 +19,7 @@ import torch_xla.distributed.spmd as xs
 
 import torch_xla_ext as txe
 from torch_xla_ext import tpu
-from torch_xla_ext import _tpu_client
+from torch_xla_ext.tpu import _client as _tpu_client
 from torch_xla_ext.testing import measure_transfers
 
 _GIB = 1 << 30
@@ -158,7 +158,7 @@ def test_the_compiler_allocates_a_scans_stacked_outputs_without_filling_them(dev
 
 
 def test_hbm_buffers_are_memory_space_0_of_the_buffer_assignment(tmp_path):
-    from torch_xla_ext._tpu_client import hbm_buffer_bytes
+    from torch_xla_ext.tpu._client import hbm_buffer_bytes
 
     assert hbm_buffer_bytes(str(tmp_path)) is None
     (tmp_path / "module_0001.jit_f.cl_1.after_optimizations-buffer-assignment.txt").write_text(

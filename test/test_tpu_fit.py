@@ -162,7 +162,7 @@ def test_a_placement_that_depends_on_the_device_count_is_refused():
 
 
 def test_the_table_shows_a_refused_step_by_what_the_compiler_says_it_needs_and_a_stopped_one_by_why():
-    from torch_xla_ext._tpu_fit_cli import report_table
+    from torch_xla_ext.tpu._fit_cli import report_table
     from torch_xla_ext.tpu_fit import FitReport
 
     gib = 1 << 30

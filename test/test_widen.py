@@ -1,10 +1,10 @@
-"""_widen: a 1-D mesh's shardings re-annotated for more devices, and everything else refused."""
+"""tpu._widen: a 1-D mesh's shardings re-annotated for more devices, and everything else refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from torch_xla_ext._widen import widen_shardings
+from torch_xla_ext.tpu._widen import widen_shardings
 
 EIGHT = ",".join(str(d) for d in range(8))
 

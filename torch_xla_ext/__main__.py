@@ -6,7 +6,7 @@
            runs ``scan_layers`` and a ``fully_shard`` training loop.
 ``audit``  prints the same report for any saved ``xla.HloModuleProto`` file.
 ``tpu-fit`` compiles a transformers model's training step for a TPU slice from
-           shapes and prints whether it fits (:mod:`torch_xla_ext.tpu_fit`).
+           shapes and prints whether it fits (:mod:`torch_xla_ext.tpu.fit`).
 
 This module only parses commands; the demo lives in :mod:`torch_xla_ext._demo`.
 Nothing here imports ``torch_xla``: the demo chooses the PJRT device first, and
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     audit = sub.add_parser("audit", help="report on a saved serialized HloModuleProto")
     audit.add_argument("file", help="path to the .pb file")
     audit.set_defaults(run=_audit)
-    from ._tpu_fit_cli import add_parser
+    from .tpu._fit_cli import add_parser
 
     add_parser(sub)
     args = parser.parse_args(argv)

@@ -348,7 +348,7 @@ def _demo_tpu(num_layers: int, width: int) -> None:
     import torch_xla.runtime as xr
 
     from . import tpu
-    from ._tpu_client import topology_devices
+    from .tpu._client import topology_devices
 
     n = xr.global_runtime_device_count()
     print(f"\nTPU fit check: the same fully sharded step compiled for a TPU {TPU_TOPOLOGY} slice by libtpu's "

@@ -30,14 +30,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ._format import format_bytes
-from ._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
-from ._placeholders import parameter_shardings
-from ._tpu_client import (TpuUnavailable, compile_hlo, computation_cost, hbm_buffer_bytes, required_bytes,
+from .._format import format_bytes
+from .._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
+from .._placeholders import parameter_shardings
+from ._client import (TpuUnavailable, compile_hlo, computation_cost, hbm_buffer_bytes, required_bytes,
                           rewrite_entry, topology_devices)
-from .hlo import HloModule, read_hlo
-from .lowering import LoweringContext
-from .transfer_guard import no_host_transfers
+from ..hlo import HloModule, read_hlo
+from ..lowering import LoweringContext
+from ..transfer_guard import no_host_transfers
 
 __all__ = ["CompiledForTpu", "TpuUnavailable", "compile", "lowering", "HBM_BYTES"]
 
@@ -80,7 +80,7 @@ class CompiledForTpu:
     trip_counts: tuple[int | None, ...] = ()
     #: The program's buffers in HBM (memory space 0 of the compiler's buffer assignment: arguments,
     #: outputs, constants, temporaries), without the on-chip memory ``peak_bytes`` may include
-    #: (:func:`~torch_xla_ext._tpu_client.hbm_buffer_bytes`); None when the compiler wrote none.
+    #: (:func:`~torch_xla_ext.tpu._client.hbm_buffer_bytes`); None when the compiler wrote none.
     hbm_buffer_bytes: int | None = None
 
     @property
@@ -96,7 +96,7 @@ class CompiledForTpu:
 
     @property
     def required_bytes(self) -> int:
-        """What ``fits`` compares with HBM (:func:`~torch_xla_ext._tpu_client.required_bytes`)."""
+        """What ``fits`` compares with HBM (:func:`~torch_xla_ext.tpu._client.required_bytes`)."""
         return required_bytes(self.peak_bytes, self.argument_bytes, self.output_bytes, self.alias_bytes,
                               self.temp_bytes, self.generated_code_bytes)
 
@@ -161,7 +161,7 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str, *,  #
     buffer of a tensor updated in place; ``after`` is added to the outputs.
     Without it a step's parameters and optimizer state count twice, as
     arguments and as outputs. Parameters over placeholders (tensors with a
-    shape and no data, :mod:`torch_xla_ext.tpu_fit`) get the sharding they
+    shape and no data, :mod:`torch_xla_ext.tpu.fit`) get the sharding they
     were marked with.
 
     Raises ValueError for an unknown topology, a program partitioned over
@@ -178,7 +178,7 @@ def compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str, *,  #
 def _compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
              donated: Sequence[tuple[torch.Tensor, torch.Tensor]], widen: bool) -> CompiledForTpu:
     """:func:`compile`. ``widen``: a program lowered on a 1-D mesh of a divisor of the topology's chips is
-    annotated for all of them (:mod:`torch_xla_ext._widen`: how ``tpu_fit`` lowers a slice of 128 chips
+    annotated for all of them (:mod:`torch_xla_ext.tpu._widen`: how ``tpu_fit`` lowers a slice of 128 chips
     or more)."""
     tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
     if not tensors or not all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
@@ -265,7 +265,7 @@ def _describe(executable, lowered: HloModule, topology: str, devices: tuple, sec
     """The figures of ``executable``, compiled for ``devices`` from the program ``lowered``.
 
     Also what the benchmarks use for a program another front end (JAX) compiled for the same devices.
-    ``hbm_buffers``: :func:`~torch_xla_ext._tpu_client.hbm_buffer_bytes` of its compile.
+    ``hbm_buffers``: :func:`~torch_xla_ext.tpu._client.hbm_buffer_bytes` of its compile.
     """
     kind = devices[0].device_kind
     hbm = HBM_BYTES[kind]

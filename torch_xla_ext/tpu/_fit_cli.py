@@ -1,4 +1,4 @@
-"""``python -m torch_xla_ext tpu-fit``: :func:`torch_xla_ext.tpu_fit.fit` from the command line, a table and a PNG."""
+"""``python -m torch_xla_ext tpu-fit``: :func:`torch_xla_ext.tpu.fit.fit` from the command line, a table and a PNG."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ._format import format_bytes
+from .._format import format_bytes
 
 __all__ = ["add_parser"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tpu-fit`` on the command line's subcommands."""
-    from .tpu_fit import DEFAULT_PATHS, PATHS
+    from .fit import DEFAULT_PATHS, PATHS
 
     p = sub.add_parser(
         "tpu-fit", help="does a transformers model's training step fit a TPU slice (compiled here, from shapes)",
@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``tpu-fit``; 0 when every path compiled (fitting or not), 1 when one failed, 2 for bad arguments."""
     import os
 
-    from ._tpu_client import TpuUnavailable
-    from .tpu_fit import fit
+    from ._client import TpuUnavailable
+    from .fit import fit
 
     # This process only reads the config and the topology; the children lower and compile. transformers
     # imports torch_xla where it is installed, which would warn that it picks the CPU itself.
