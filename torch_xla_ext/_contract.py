@@ -9,7 +9,8 @@ other did, and neither imports the other:
   loading and ``tpu_fit`` read it back);
 - :func:`is_stacked`: whether a holder's parameter is one ``stack_layers``
   made (``fully_shard`` then shards it on a layer's dimension, never over the
-  layers);
+  layers), and the marks stacking leaves on layers (:data:`RECORDS`, which
+  scan's keys skip);
 - :func:`as_whole`: within it, a stacked layer's modules answer
   ``named_parameters`` and ``_apply`` as PyTorch's own (for this package's
   walks over them, and PyTorch's it calls: ``functional_call``'s tie check,
@@ -30,8 +31,8 @@ from torch import nn
 
 from ._weak import WeakIdMap
 
-__all__ = ["applied_spec", "record_applied", "applied_count", "is_stacked", "STACKED_NAMES", "as_whole",
-           "whole"]
+__all__ = ["applied_spec", "record_applied", "applied_count", "is_stacked", "as_whole", "whole", "STACKED_NAMES",
+           "LAYER", "SLOTS", "MEMBER", "RECORDS"]
 
 # Parameters fully_shard placed -> the partition spec applied. Keyed by identity and held weakly: an entry
 # goes when its parameter is freed.
@@ -55,6 +56,14 @@ def applied_count() -> int:
 
 #: On a stacked ModuleList: {qualified per-layer name: the stacked parameter's key}.
 STACKED_NAMES = "_txe_stacked_names"
+LAYER = "_txe_stacked_layer"    # on each stacked layer: (its ModuleList, index)
+SLOTS = "_txe_stacked_slots"    # on each holder: {local name: (ModuleList, key, index)}
+MEMBER = "_txe_stacked_member"  # on each module inside a stacked layer: (ModuleList, index, path in the layer)
+
+#: The attributes stacking keeps on layers and their modules: bookkeeping, not what a forward computes
+#: (``scan_layers`` does not compare them between layers, nor does scan's state key; the index in them
+#: differs by design).
+RECORDS = frozenset({LAYER, SLOTS, MEMBER})
 
 
 def is_stacked(holder: nn.Module, name: str) -> bool:

@@ -10,6 +10,8 @@ layered; each module holds one idea and imports only the ones above it:
 ``lift``      a ``TorchFunctionMode`` that replaces the outside tensors a step
               reads with stand-ins (loop operands), fingerprints the trace and
               refuses writes into outside tensors and host reads.
+``keys``      values keyed by what they hold (numbers by bits, host tensors and
+              arrays by a hash, generators by their state, module attributes).
 ``state``     the Python state a step reaches, keyed by contents: whether a
               trace changed it (then every iteration is traced).
 ``trace``     runs a step lazily on placeholders under the lifter: nothing

@@ -17,25 +17,14 @@ every layer computes the same function of its members:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
-import hashlib
-import pickle
-import random
-import types
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from .errors import ScanInputError
 from .guard import describe_callable
-from .lift import bits_key, content_digest
+from .keys import attribute_key, by_contents, readable_attributes, value_key
 from .sharding import _canonical_specs
-from .stored_contract import RECORDS
-
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
 def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,139 +74,6 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
     return names
 
 
-#: How much of a value :func:`value_key` describes by contents before it names the rest by identity.
-_KEY_NODES = 4096
-_KEY_DEPTH = 8
-
-
-def value_key(value: object, memo: dict[int, object] | None = None) -> object:
-    """What ``value`` holds, comparable and hashable: two values with equal keys compute alike when read.
-
-    Numbers by their bits (``-0.0`` is not ``0.0``; NaN payloads differ),
-    strings, dtypes and enums by value; classes, functions and modules as
-    themselves (code); tuples, lists, sets, dicts, ``SimpleNamespace``,
-    dataclass instances, ``functools.partial`` and other objects with a
-    ``__dict__`` (a model's config) by their items; host tensors, numpy arrays
-    and numpy scalars by dtype, shape and a hash of their bytes; host random
-    generators (``random.Random``, numpy's ``Generator``, ``BitGenerator`` and
-    ``RandomState``, a CPU ``torch.Generator``) by a hash of their state, which
-    every draw changes. Anything else
-    (an XLA tensor, an object without a ``__dict__``), and what lies past
-    :data:`_KEY_NODES` items or :data:`_KEY_DEPTH` levels, is named by identity
-    (:func:`by_contents` tells whether a key has such a part). ``memo`` keys
-    an object reached twice (a config every layer shares) once.
-    """
-    return _key(value, [_KEY_NODES], 0, {} if memo is None else memo)
-
-
-#: Types keyed as they are, looked up by exact type first (most attributes are one of these).
-_EXACT = frozenset({type(None), bool, int, str, bytes, torch.dtype, torch.device})
-#: Objects that are code, keyed as themselves (compared by identity, yet no state a call changes).
-_CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodWrapperType,
-         types.WrapperDescriptorType, types.MethodDescriptorType)
-
-
-def _key(value: object, budget: list[int], depth: int, memo: dict[int, object]) -> object:
-    kind = type(value)
-    if kind in _EXACT:
-        return (kind, value)
-    if kind is float:
-        return bits_key(value)
-    budget[0] -= 1
-    if budget[0] < 0 or depth > _KEY_DEPTH:
-        return _Identity(id(value))
-    bits = bits_key(value)  # numbers by their bits, numpy values by their bytes, as scan's fingerprint keys them
-    if bits is not None:
-        return bits
-    if isinstance(value, _PLAIN):
-        return (kind, value)
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided:
-        digest = content_digest(value)
-        if digest is not None:
-            return ("t", tuple(value.shape), value.dtype, value.requires_grad, digest)
-    if isinstance(value, _CODE):
-        return ("code", value)
-    if isinstance(value, (tuple, list)):
-        return (kind, tuple(_key(v, budget, depth + 1, memo) for v in value))
-    if isinstance(value, (set, frozenset)):
-        keys = [_key(v, budget, depth + 1, memo) for v in value]
-        return (kind, frozenset(keys)) if all(_hashable(k) for k in keys) else _Identity(id(value))
-    if isinstance(value, dict):
-        return (kind, tuple((_key(k, budget, depth + 1, memo), _key(v, budget, depth + 1, memo))
-                            for k, v in value.items()))
-    if isinstance(value, functools.partial):
-        return (kind, _key((value.func, value.args, value.keywords), budget, depth + 1, memo))
-    state = _generator_state(value)
-    if state is not None:
-        return ("generator", kind, state)
-    if isinstance(value, torch.Tensor) or not hasattr(value, "__dict__"):
-        return _Identity(id(value))
-    if id(value) in memo:
-        return memo[id(value)]
-    memo[id(value)] = _Identity(id(value))  # while it is being keyed: a cycle back to it names it
-    if dataclasses.is_dataclass(value):
-        items = tuple((f.name, _key(getattr(value, f.name), budget, depth + 1, memo))
-                      for f in dataclasses.fields(value))
-    else:  # SimpleNamespace, a config object, any plain object: its attributes
-        items = _key(vars(value), budget, depth + 1, memo)
-    memo[id(value)] = key = (kind, items)
-    return key
-
-
-def _generator_state(value: object) -> bytes | None:
-    """A host random generator's state, as a digest; None for anything else.
-
-    A draw changes the generator's state but none of its Python attributes
-    (numpy's generators have none), so keyed as an object a generator that
-    ``fn`` drew from would look unchanged.
-    """
-    if isinstance(value, random.Random):
-        state: object = value.getstate()
-    elif isinstance(value, np.random.Generator):
-        state = value.bit_generator.state
-    elif isinstance(value, np.random.BitGenerator):
-        state = value.state
-    elif isinstance(value, np.random.RandomState):
-        state = value.get_state(legacy=False)
-    elif isinstance(value, torch.Generator) and value.device.type == "cpu":
-        state = value.get_state().numpy().tobytes()
-    else:
-        return None
-    return hashlib.blake2b(pickle.dumps(state, protocol=4), digest_size=16).digest()
-
-
-class _Identity(int):
-    """The part of a :func:`value_key` that names an object by identity."""
-
-
-def _hashable(key: object) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
-
-
-def by_contents(key: object) -> bool:
-    """Whether a :func:`value_key` describes its value wholly by contents (no part named by identity)."""
-    if isinstance(key, _Identity):
-        return False
-    if isinstance(key, (tuple, frozenset)):
-        return all(by_contents(k) for k in key)
-    return True
-
-
-def attribute_key(layer: torch.nn.Module, memo: dict[int, object] | None = None) -> tuple:
-    """The Python attributes of ``layer`` and its submodules (not members, children or hooks), comparable."""
-    memo = {} if memo is None else memo
-    return tuple((path, name, value_key(value, memo)) for path, name, value in _readable(layer))
-
-
-def attribute_values(layer: torch.nn.Module) -> list[object]:
-    """The attribute values :func:`attribute_key` reads (to keep the objects it names by identity alive)."""
-    return [value for _, _, value in _readable(layer)]
-
-
 def attribute_groups(layers: Sequence[torch.nn.Module]) -> list[list[int]]:
     """Indices of the layers whose attributes differ from ``layers[0]``'s, grouped by equal attributes."""
     memo: dict[int, object] = {}  # objects the layers share (a config) are keyed once
@@ -236,8 +92,8 @@ def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: i
     only are other objects (of a kind compared by identity) are listed only
     when nothing else differs.
     """
-    a = {(p, n): v for p, n, v in _readable(first)}
-    b = {(p, n): v for p, n, v in _readable(other)}
+    a = {(p, n): v for p, n, v in readable_attributes(first)}
+    b = {(p, n): v for p, n, v in readable_attributes(other)}
     missing = object()
     held, identity = [], []
     for p, n in sorted(set(a) | set(b)):
@@ -253,26 +109,8 @@ def describe_difference(first: torch.nn.Module, other: torch.nn.Module, index: i
     return f"layers[{index}] differs in " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "")
 
 
-#: What ``nn.Module.__init__`` puts in every module's ``__dict__`` (members, children, hook tables) and
-#: what ``nn.Module.compile`` adds: compared by :func:`check_members` and :func:`check_hooks`, not here.
-_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"} | {"_compiled_call_impl"} | RECORDS
-
 _HOOK_TABLES = (("forward pre-hook", "_forward_pre_hooks"), ("forward hook", "_forward_hooks"),
                 ("backward pre-hook", "_backward_pre_hooks"), ("backward hook", "_backward_hooks"))
-
-
-def _readable(layer: torch.nn.Module):
-    """Every attribute of ``layer`` and its submodules that can change what its forward computes.
-
-    Private attributes included (a ``self._scale``), and each submodule's
-    class: a ``Tanh`` in one layer where another has a ``Sigmoid`` shows up
-    here even though neither has an attribute.
-    """
-    for path, module in layer.named_modules():
-        yield path, "__class__", type(module)
-        for name, value in vars(module).items():
-            if name not in _BOOKKEEPING:
-                yield path, name, value
 
 
 def _partitionable(hook: object) -> bool:

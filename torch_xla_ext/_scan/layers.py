@@ -18,8 +18,8 @@ from .dynamo import refused_under_compile
 from .errors import ScanInputError
 from .groups import layer_groups
 from .guard import describe_callable, one_call_at_a_time, refuse_nested
-from .homogeneous import (attribute_groups, attribute_key, attribute_values, by_contents, check_hooks,
-                          check_members, describe_difference, layer_state, value_key)
+from .homogeneous import attribute_groups, check_hooks, check_members, describe_difference, layer_state
+from .keys import attribute_key, attribute_values, by_contents, value_key
 from .lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .stored import stored_slices

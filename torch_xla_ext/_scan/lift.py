@@ -29,14 +29,11 @@ While ``scan`` traces ``fn`` lazily on placeholders, :class:`Lifter` (a
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
@@ -44,11 +41,12 @@ from torch.utils.hooks import RemovableHandle
 
 from .._xla import xlac
 from .aot import note_backward_python
+from .keys import bits_key, content_digest
 from .errors import ScanUnsupportedError
 from .draws import TORCH_CPU, torch_host_draw
 from .guard import describe_callable, host_read, refusing_draw, user_frame
 
-__all__ = ["Lifter", "is_inplace_call", "ValueIdentity", "bits_key", "content_digest"]
+__all__ = ["Lifter", "is_inplace_call", "ValueIdentity"]
 
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
@@ -108,39 +106,6 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     if isinstance(value, _PLAIN):
         return []
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-_pack_double = struct.Struct("<d").pack
-_pack_complex = struct.Struct("<dd").pack
-
-
-def bits_key(value: Any) -> tuple | None:
-    """A number or numpy value keyed by what it holds, bit for bit; None for any other value.
-
-    Floats and complex numbers by their bits (``-0.0`` is not ``0.0``, NaN
-    payloads differ), numpy scalars by dtype and bits (``np.float32(-0.0)``),
-    numpy arrays by dtype, shape and a hash of their bytes (a table passed to
-    ``torch.tensor(table)`` and rewritten in place between calls).
-    """
-    if isinstance(value, float):
-        return ("f", _pack_double(value))
-    if isinstance(value, complex):
-        return ("c", _pack_complex(value.real, value.imag))
-    if isinstance(value, np.generic) and value.dtype != object:
-        return ("np", value.dtype.str, value.tobytes())
-    if isinstance(value, np.ndarray) and value.dtype != object:
-        return ("nd", value.shape, value.dtype.str,
-                hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=16).digest())
-    return None
-
-
-def content_digest(t: torch.Tensor) -> bytes | None:
-    """A 128-bit hash of a host tensor's bytes (None for layouts without plain bytes: sparse, meta, ...)."""
-    try:
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):
-        return None
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class ValueIdentity:

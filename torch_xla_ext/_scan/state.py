@@ -6,7 +6,7 @@ to) runs each iteration with the state the previous one left. A traced loop
 runs one trace for all iterations, which is the loop only if every
 iteration's ``fn`` computes the same thing.
 
-:class:`ReachableState` keys, by contents (:func:`~torch_xla_ext._scan.homogeneous.value_key`),
+:class:`ReachableState` keys, by contents (:func:`~torch_xla_ext._scan.keys.value_key`),
 what ``fn`` can reach directly: its closure cells, the globals its code
 names, its defaults, ``self`` of a bound method, the arguments of a
 ``functools.partial``, and a module's attributes (those of its submodules
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .homogeneous import attribute_key, value_key
+from .keys import attribute_key, value_key
 
 __all__ = ["ReachableState", "backward_state_key"]
 

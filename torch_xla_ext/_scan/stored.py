@@ -38,10 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._contract import STACKED_NAMES as _NAMES, applied_spec
+from .._contract import LAYER as _LAYER, MEMBER, SLOTS as _SLOTS, STACKED_NAMES as _NAMES, applied_spec
 from .errors import ScanInputError
-from .stored_contract import (LAYER as _LAYER, MEMBER, SLOTS as _SLOTS, container_class, mark_replaced,
-                              member_class, refuse_outside_holders, register_stacked)
+from .stored_contract import container_class, mark_replaced, member_class, refuse_outside_holders, register_stacked
 
 __all__ = ["stack_layers", "stored_slices", "refuse_nested_storage"]
 

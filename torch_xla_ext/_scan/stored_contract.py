@@ -45,20 +45,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._contract import STACKED_NAMES, as_whole, whole
+from .._contract import MEMBER, SLOTS, STACKED_NAMES, as_whole, whole
 from .._weak import WeakIdMap
 from .errors import ScanInputError, StackedLayerError
 
-__all__ = ["member_class", "container_class", "row", "refuse_outside_holders", "register_stacked", "mark_replaced",
-           "LAYER", "SLOTS", "MEMBER", "RECORDS"]
+__all__ = ["member_class", "container_class", "row", "refuse_outside_holders", "register_stacked", "mark_replaced"]
 
-LAYER = "_txe_stacked_layer"    # on each layer: (container, index)
-SLOTS = "_txe_stacked_slots"    # on each holder: {local name: (container, key, index)}
-MEMBER = "_txe_stacked_member"  # on each module inside a stacked layer: (container, index, path in the layer)
-
-#: The attributes stacking keeps on layers and their modules: bookkeeping, not what a forward computes
-#: (``scan_layers`` does not compare them between layers; the index in them differs by design).
-RECORDS = frozenset({LAYER, SLOTS, MEMBER})
 
 _member_classes: dict[type, type] = {}
 _container_classes: dict[type, type] = {}
