@@ -51,7 +51,7 @@ def test_a_member_the_layers_do_not_use_gets_no_gradient(device):
     ((), (), ((), ())),
 ])
 def test_stacked_members_merge_only_dims_that_keep_blocks_contiguous(shape, tiles, merged):
-    from torch_xla_ext._scan.stacking import _merged
+    from torch_xla_ext._scan_layers.stacking import _merged
 
     assert _merged(shape, tiles) == merged
 

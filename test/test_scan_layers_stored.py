@@ -100,7 +100,7 @@ def test_the_scan_reads_the_stacked_parameters_without_stacking_or_moving_anythi
 def test_the_stacking_records_do_not_make_layers_differ(device):
     # Each layer records its index; scan_layers must not take that for a per-layer attribute (which would
     # trace every layer again at every call).
-    from torch_xla_ext._scan.homogeneous import attribute_groups
+    from torch_xla_ext._scan_layers.homogeneous import attribute_groups
 
     _, stacked = _stacked_copy(device)
     assert attribute_groups(list(stacked)) == []

@@ -1,4 +1,4 @@
-"""``scan`` and ``scan_layers``: XLA ``while`` loops over a traced step function.
+"""``scan``: XLA ``while`` loops over a traced step function (``scan_layers`` is built on it, in ``_scan_layers``).
 
 ``scan(fn, init, xs)`` has the semantics of ``jax.lax.scan``. The package is
 layered; each module holds one idea and imports only the ones above it:
@@ -31,15 +31,6 @@ layered; each module holds one idea and imports only the ones above it:
 ``stages``    one call as four stages: ``capture`` (trace fn), ``cache_key``,
               ``plan`` (look up or lower), ``run``.
 ``api``       ``scan``: argument checks and flattening, then the stages.
-``stacking``  stacking homogeneous layers' members, handing gradients back.
-``homogeneous`` whether layers can share one traced step (members, attributes).
-``stored``    ``stack_layers``: a stack's parameters stored as one ``[L, ...]``
-              parameter per name, which ``scan_layers`` reads with no copy.
-``stored_contract`` what a stacked layer answers per parameter (PyTorch's
-              numbers or ``StackedLayerError`` where the user wrote it), and
-              the records stacking keeps on layers.
-``layers``    ``scan_layers`` on top of ``api``'s stages (its checks run between
-              them), ``homogeneous`` and ``stacking``.
 ``errors``    ``ScanInputError`` (bad arguments), ``ScanUnsupportedError``
               (what a traced loop cannot do as the Python loop does) and
               ``StackedLayerError`` (a per-layer operation on stacked layers).
@@ -54,8 +45,5 @@ from __future__ import annotations
 from .api import scan
 from .cache import ScanCacheInfo, clear_scan_cache, scan_cache_info
 from .errors import ScanInputError, ScanUnsupportedError, StackedLayerError
-from .layers import scan_layers
-from .stored import stack_layers
-
-__all__ = ["scan", "scan_layers", "stack_layers", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError",
-           "ScanUnsupportedError", "StackedLayerError"]
+__all__ = ["scan", "scan_cache_info", "clear_scan_cache", "ScanCacheInfo", "ScanInputError", "ScanUnsupportedError",
+           "StackedLayerError"]

@@ -24,7 +24,7 @@ choices exist only to keep that code small:
   :func:`_scalar_guard`, ``select(bound > 0, value, 0)`` (measured with the
   first-dimension guard: 5-7% faster steps, the same compile time); a scalar
   guard on the reads instead compiles 1.5x slower;
-* **merged stacking layouts** (:func:`~torch_xla_ext._scan.stacking._merged`):
+* **merged stacking layouts** (:func:`~torch_xla_ext._scan_layers.stacking._merged`):
   stacked members with their unsharded dims merged, so each device's block is
   1-D. A loop's read of a member is still emitted in the member's shape:
   XLA fuses the step's reshape into the read as its root (a guarded read of a

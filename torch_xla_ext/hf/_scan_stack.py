@@ -46,9 +46,9 @@ import torch
 
 from ._masks import check_mask_window, model_window
 from .._scan.errors import ScanInputError
-from .._scan.groups import POSITIONS, layer_groups
-from .._scan.homogeneous import allow_hooks
-from .._scan.layers import _scan_layers
+from .._scan_layers.groups import POSITIONS, layer_groups
+from .._scan_layers.homogeneous import allow_hooks
+from .._scan_layers.layers import _scan_layers
 from ..remat import nothing_saveable
 
 __all__ = ["ScannedLayers", "argument_position", "call_argument", "find_stack", "scan_decoder_layers"]

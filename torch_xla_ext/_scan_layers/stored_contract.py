@@ -47,7 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._contract import MEMBER, SLOTS, STACKED_NAMES, as_whole, whole
 from .._weak import WeakIdMap
-from .errors import ScanInputError, StackedLayerError
+from .._scan.errors import ScanInputError, StackedLayerError
 
 __all__ = ["member_class", "container_class", "row", "refuse_outside_holders", "register_stacked", "mark_replaced"]
 

@@ -12,10 +12,10 @@ import torch
 from .._annotate import is_replicated_spec
 from .._format import parse_tiled_spec
 from .._xla import torch_xla_device, xla_builder, xlac
-from .backend import _guard, computation_name, cpu_codegen, runtime_bound
-from .cache import on_clear
-from .loop import _slice_op
-from .sharding import _apply_shardings, _sharding_of
+from .._scan.backend import _guard, computation_name, cpu_codegen, runtime_bound
+from .._scan.cache import on_clear
+from .._scan.loop import _slice_op
+from .._scan.sharding import _apply_shardings, _sharding_of
 
 
 def _tiling(member: torch.Tensor) -> tuple[tuple[int, ...], str, bool] | None:

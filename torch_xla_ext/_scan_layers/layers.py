@@ -12,18 +12,18 @@ import torch.utils._pytree as pytree
 
 from .._annotate import is_fake_tensor
 from .._contract import as_whole
-from . import stages
-from .cache import on_clear
-from .dynamo import refused_under_compile
-from .errors import ScanInputError
+from .._scan import stages
+from .._scan.cache import on_clear
+from .._scan.dynamo import refused_under_compile
+from .._scan.errors import ScanInputError
 from .groups import layer_groups
-from .guard import describe_callable, one_call_at_a_time, refuse_nested
+from .._scan.guard import describe_callable, one_call_at_a_time, refuse_nested
 from .homogeneous import attribute_groups, check_hooks, check_members, describe_difference, layer_state
-from .keys import attribute_key, attribute_values, by_contents, value_key
-from .lift import ValueIdentity
+from .._scan.keys import attribute_key, attribute_values, by_contents, value_key
+from .._scan.lift import ValueIdentity
 from .stacking import _Stack, _unstack
 from .stored import stored_slices
-from .trace import refuse_kept_intermediates, same_trace
+from .._scan.trace import refuse_kept_intermediates, same_trace
 
 
 class _Call(NamedTuple):
@@ -190,7 +190,7 @@ def scan_layers(
         (``layers`` an ``nn.ModuleList`` whose length it divides): for stacks
         whose layers alternate kinds, e.g. ``group_size=2`` for sliding /
         global attention. Layers within a group may differ; every group must
-        match the first (see :mod:`torch_xla_ext._scan.groups`).
+        match the first (see :mod:`torch_xla_ext._scan_layers.groups`).
 
     Returns:
       The last layer's output: a tensor, or a tuple for a tuple ``input_data``.

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .._contract import LAYER as _LAYER, MEMBER, SLOTS as _SLOTS, STACKED_NAMES as _NAMES, applied_spec
-from .errors import ScanInputError
+from .._scan.errors import ScanInputError
 from .stored_contract import container_class, mark_replaced, member_class, refuse_outside_holders, register_stacked
 
 __all__ = ["stack_layers", "stored_slices", "refuse_nested_storage"]
@@ -243,7 +243,7 @@ def _holder_loaded(holder: nn.Module, state_dict: dict, prefix: str, local_metad
 def _stack_loaded(module: nn.ModuleList, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
                   missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """Load pre-hook: each stacked name's per-layer values, stacked on the device like its parameter."""
-    from .sharding import _sharding_of
+    from .._scan.sharding import _sharding_of
 
     missing: list[str] = module.__dict__.setdefault("_txe_stacked_missing", [])
     missing.clear()

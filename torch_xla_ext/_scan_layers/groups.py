@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import ScanInputError
+from .._scan.errors import ScanInputError
 
 __all__ = ["LayerGroup", "POSITIONS", "layer_groups"]
 

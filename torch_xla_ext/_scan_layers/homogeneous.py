@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .errors import ScanInputError
-from .guard import describe_callable
-from .keys import attribute_key, by_contents, readable_attributes, value_key
-from .sharding import _canonical_specs
+from .._scan.errors import ScanInputError
+from .._scan.guard import describe_callable
+from .._scan.keys import attribute_key, by_contents, readable_attributes, value_key
+from .._scan.sharding import _canonical_specs
 
 
 def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
