@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._weak import WeakIdMap
 from ._xla import xlac
 
 __all__ = ["Annotator", "annotate_sharding", "mark_sharding", "mesh_text", "behind_barrier", "shard_activation", "fresh_node",
@@ -209,7 +210,8 @@ def in_scan_step_trace() -> bool:
     return getattr(_scan_trace, "depth", 0) > 0
 
 
-_mesh_texts: dict[int, tuple[object, str]] = {}
+# Mesh -> its text, held weakly (a dropped Mesh leaves no entry).
+_mesh_texts: WeakIdMap = WeakIdMap()
 
 
 def _mesh_text(mesh) -> str:
@@ -220,10 +222,14 @@ def _mesh_text(mesh) -> str:
     """
     if isinstance(mesh, str):
         return mesh
-    entry = _mesh_texts.get(id(mesh))
-    if entry is None or entry[0] is not mesh:
-        entry = _mesh_texts[id(mesh)] = (mesh, str(mesh))
-    return entry[1]
+    text = _mesh_texts.get(mesh)
+    if text is None:
+        text = str(mesh)
+        try:
+            _mesh_texts[mesh] = text
+        except TypeError:  # a mesh-like object that takes no weak reference: its text is not kept
+            pass
+    return text
 
 
 def mesh_text(mesh) -> str:

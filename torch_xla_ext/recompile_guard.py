@@ -47,6 +47,7 @@ import torch
 
 from ._frames import user_frame
 from ._transfer.metrics import _metric
+from ._xla import xlac
 
 __all__ = ["RecompileError", "no_recompiles"]
 
@@ -89,9 +90,7 @@ def _compile_count() -> int:
 
 def _pending_tensors() -> list[tuple[str, torch.Tensor]]:
     """(output line, tensor) of each XLA tensor Python holds whose value a sync would compute, by tensor id."""
-    import torch_xla
-
-    info_of = torch_xla._XLAC._get_xla_tensor_debug_info
+    info_of = xlac()._get_xla_tensor_debug_info
     is_tensor_type: dict[type, bool] = {}
     pending = {}
     for obj in gc.get_objects():
@@ -117,12 +116,10 @@ def _pending_tensors() -> list[tuple[str, torch.Tensor]]:
 
 def _pending_ir() -> str:
     """The pending outputs and their graph, each node once, without tensor ids, in torch_xla's sync order."""
-    import torch_xla
-
     pending = _pending_tensors()
     if not pending:
         return ""
-    text = torch_xla._XLAC._get_xla_tensors_text([tensor for _, tensor in pending])
+    text = xlac()._get_xla_tensors_text([tensor for _, tensor in pending])
     return "\n".join(line for line, _ in pending) + "\n" + text
 
 
