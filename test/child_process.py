@@ -12,6 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+#: The suite's folder: the helpers (this module, the model builders) live here, the tests in its subfolders by
+#: feature. A child that imports helpers puts it on its path.
+TEST_DIR = Path(__file__).resolve().parent
+
 SPMD_CHILD = textwrap.dedent('''
     import gc, os, sys
     os.environ.setdefault("PJRT_DEVICE", "CPU"); os.environ.setdefault("CPU_NUM_DEVICES", "8")

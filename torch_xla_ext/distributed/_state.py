@@ -207,7 +207,7 @@ class FSDPState:
         Without it XLA's combiner merges every module's gradient
         reduce-scatter into one at the end of the backward, and each module's
         full, unreduced gradient stays live until then (measured on the TPU
-        compiler: ``scripts/bench_fsdp.py --tpu``, ``test/test_fsdp_tpu.py``). With the barrier each module's
+        compiler: ``scripts/bench_fsdp.py --tpu``, ``test/fsdp/test_fsdp_tpu.py``). With the barrier each module's
         gradients are reduced and sharded before the backward goes on to the
         modules before it (FSDPv2 places the same barrier with a full backward
         hook). Only positional tensor arguments that need a gradient carry it;

@@ -166,7 +166,7 @@ def test_lowered_modules_use_a_fraction_of_the_budget(device, mesh_4x2):
     # Measured: 13-18 x the input for the seeds and lowered graphs.
     import pathlib
 
-    seeds = pathlib.Path(__file__).parent.parent / "csrc" / "fuzz" / "corpus"
+    seeds = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "fuzz" / "corpus"
     inputs = [p.read_bytes() for p in sorted(seeds.glob("*.pb")) if p.name != "shardings.pb"]
     for graph in (g_matmul, g_while, g_tuple_outputs):
         _, outputs = graph(device, mesh_4x2)

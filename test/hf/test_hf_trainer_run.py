@@ -36,7 +36,7 @@ from torch_xla_ext.distributed.checkpoint import load_sharded
 from torch_xla_ext.hf import prepare
 from torch_xla_ext.hf.trainer import SHARDED_CHECKPOINT_DIR
 
-from child_process import SPMD_CHILD, run_surviving
+from child_process import SPMD_CHILD, TEST_DIR, run_surviving
 from hf_tiny import arguments, tiny, token_rows
 from hf_trainer_helpers import (RUN_STEPS, SAVE_EVERY, Counts, CountedTrainer, StepCounts, TrainedRun, cpu_reference,
                                 host_state, losses, run_arguments)
@@ -138,9 +138,8 @@ def test_resume_in_a_new_process_is_bit_identical(trained_llama, tmp_path):
     trainer, final, out = trained_llama.trainer, trained_llama.final, trained_llama.out
     child_out = tmp_path / "resumed"
     child_out.mkdir()
-    test_dir = os.path.dirname(os.path.abspath(__file__))
     stdout = run_surviving(tmp_path, SPMD_CHILD + _RESUME, str(child_out), str(out / f"checkpoint-{SAVE_EVERY}"),
-                           test_dir)
+                           str(TEST_DIR))
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["gathers"]["load_model"] == [0] and report["gathers"]["load_optimizer"] == [0]
     assert report["gathers"]["save"] == [0]  # the step-6 save of the resumed run
