@@ -41,10 +41,10 @@ from torch.utils.hooks import RemovableHandle
 
 from .._xla import xlac
 from .aot import note_backward_python
-from .keys import bits_key, content_digest
-from .errors import ScanUnsupportedError
 from .draws import TORCH_CPU, torch_host_draw
+from .errors import ScanUnsupportedError
 from .guard import describe_callable, host_read, refusing_draw, user_frame
+from .keys import bits_key, content_digest
 
 __all__ = ["Lifter", "is_inplace_call", "ValueIdentity"]
 

@@ -85,13 +85,16 @@ def _refuse_other_layout(path: str, optim_state: dict[str, Any], saved: dict[str
     def stacked(fqn: str) -> bool:  # a stacked parameter's last name holds '/' (stack_layers' key)
         return "/" in fqn.rpartition(".")[2]
 
+    # Each saved optimizer-state key is "optim.state.<fqn>.<state name>": every dotted prefix of what follows
+    # "optim.state." may be a parameter's name. One pass over the keys, not one per parameter.
+    saved_state = [key.removeprefix("optim.state.") for key in saved if key.startswith("optim.state.")]
+    prefixes = {rest[:i] for rest in saved_state for i, char in enumerate(rest) if char == "."}
     wanted = list(optim_state.get("state", {}))
-    missing = [fqn for fqn in wanted if not any(key.startswith(f"optim.state.{fqn}.") for key in saved)]
+    missing = [fqn for fqn in wanted if fqn not in prefixes]
     if not missing:
         return
     model_stacked = any(stacked(fqn) for fqn in wanted)
-    saved_stacked = any(stacked(key.removeprefix("optim.state.").rpartition(".")[0]) for key in saved
-                        if key.startswith("optim.state."))
+    saved_stacked = any(stacked(rest.rpartition(".")[0]) for rest in saved_state)
     if model_stacked != saved_stacked:
         raise ValueError(
             f"load_sharded: {path} holds the optimizer state of a model whose layers were "
