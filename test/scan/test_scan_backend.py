@@ -124,3 +124,40 @@ def test_the_guard_of_a_batch_sharded_read_does_not_depend_on_the_partition(tmp_
     # Counter, carry shard, xs shard, ys shard: nothing else rides along the loop.
     operands = re.sub(r"\{[\d,]*\}", "", loops[0]).split(", ")
     assert operands == ["s32[]", "f32[2,32]", "f32[3,2,32]", "f32[3,2,32]"], operands
+
+
+def test_a_backward_keeps_the_choice_its_forward_was_planned_with(device):
+    # The backward loop and the gradients' unstacking are lowered on autograd's thread, after the block.
+    clear_scan_cache()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)]).to(device)
+    x = torch.randn(4, 16).to(device)
+    with forced_cpu_codegen(False):
+        out = txe.scan_layers(layers, x)
+    out.square().sum().backward()
+    hlo = _lowered([out, *(layer.weight.grad for layer in layers)])
+    assert "or(" not in hlo and "f32[3,16,16]" in hlo, hlo
+
+
+def test_one_threads_choice_leaves_another_threads_scans_alone(device):
+    import threading
+
+    clear_scan_cache()
+    inside, done, seen = threading.Event(), threading.Event(), []
+
+    def hold():  # a thread building a TPU program (tpu.lowering) while this one scans
+        with forced_cpu_codegen(False):
+            inside.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(60)
+        seen.append(cpu_codegen())
+        carry, ys = txe.scan(_step, torch.ones(4, device=device), torch.full((3, 4), 0.5, device=device))
+        hlo = _lowered([carry, *ys])
+    finally:
+        done.set()
+        holder.join(60)
+    assert seen == [True] and "or(" in hlo, hlo

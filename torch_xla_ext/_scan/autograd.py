@@ -19,6 +19,7 @@ from .._partitionable import partitionable_ops
 from .._xla import redirected_mark_sharding, torch_xla_device
 from . import autocast
 from .aot import split
+from .backend import cpu_codegen, forced_cpu_codegen
 from .errors import ScanUnsupportedError
 from .lift import Lifter
 from .loop import _Loop, _lower, _run
@@ -125,6 +126,8 @@ class _GradPlan:
         self.x_aliased = sorted({read.index for read in self._input_reads() if read.kind == "x"})
         self.saved_layout = _SavedLayout(stacked, len(self.x_aliased))
         self.carry_sig, self.x_sig = carry, x
+        # The backward loop is lowered later, on autograd's thread: with the forward's choice.
+        self.cpu_choices = cpu_codegen()
         self.fwd_loop = _lower(_trace(self._forward_step, carry, x, self.outside_sig), length, reverse,
                                "scan_forward")
         self.saved_sig = [s for s in self.fwd_loop.y_shapes[self.num_y:]]
@@ -186,8 +189,9 @@ class _GradPlan:
             carry = [self.carry_sig[i] for i in self._float_carry()]
             carry += [self.outside_sig[k] for k in self._grad_outside()]
             xs = list(self.saved_sig) + [self.x_sig[j] for j in self.x_aliased] + list(self.y_sig)
-            self._bwd_loop = _lower(_trace(self._backward_step, carry, xs, self.outside_sig), self.length,
-                                    not self.reverse, "scan_backward")
+            with forced_cpu_codegen(self.cpu_choices):
+                self._bwd_loop = _lower(_trace(self._backward_step, carry, xs, self.outside_sig), self.length,
+                                        not self.reverse, "scan_backward")
         return self._bwd_loop
 
 

@@ -33,7 +33,9 @@ choices exist only to keep that code small:
 
 :func:`cpu_codegen` turns both on exactly when the XLA device is a CPU; the
 environment variable ``TORCH_XLA_EXT_CPU_CODEGEN`` (``1``/``0``) or
-:func:`forced_cpu_codegen` forces them on or off. On any other backend a loop
+:func:`forced_cpu_codegen` forces them on or off, on the thread that enters it.
+A scan's backward loop is lowered on autograd's thread, later: it keeps the
+choice its forward was planned with. On any other backend a loop
 has no select and stacked members keep their shape. The bound is never an
 operand: no backend uploads anything for it. A computation built with either
 choice carries :data:`CPU_CODEGEN_MARK` in its name (:func:`computation_name`),
@@ -45,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 from .._xla import xla_builder
@@ -57,7 +60,15 @@ CPU_CODEGEN_ENV = "TORCH_XLA_EXT_CPU_CODEGEN"
 #: Part of the name of every computation built with an XLA:CPU lowering choice.
 CPU_CODEGEN_MARK = "_cpu_codegen"
 
-_forced: list[bool] = []
+
+class _Forced(threading.local):
+    """The choices forced on this thread, innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[bool] = []
+
+
+_forced = _Forced()
 
 
 def computation_name(name: str, cpu_choices: bool) -> str:
@@ -67,8 +78,8 @@ def computation_name(name: str, cpu_choices: bool) -> str:
 
 def cpu_codegen() -> bool:
     """Whether loops are lowered with the XLA:CPU choices (see the module docstring)."""
-    if _forced:
-        return _forced[-1]
+    if _forced.stack:
+        return _forced.stack[-1]
     value = os.environ.get(CPU_CODEGEN_ENV)
     if value is not None:
         if value not in ("0", "1"):
@@ -86,12 +97,12 @@ def _device_is_cpu() -> bool:
 
 @contextlib.contextmanager
 def forced_cpu_codegen(on: bool) -> Iterator[None]:
-    """Lower with the XLA:CPU choices on or off inside the block, whatever the device (for tests)."""
-    _forced.append(bool(on))
+    """Lower with the XLA:CPU choices on or off inside the block, whatever the device; on this thread only."""
+    _forced.stack.append(bool(on))
     try:
         yield
     finally:
-        _forced.pop()
+        _forced.stack.pop()
 
 
 #: The largest guarded dimension: a bound is ``index | _BOUND_BIT``, at least this.

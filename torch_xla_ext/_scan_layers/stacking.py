@@ -170,10 +170,14 @@ def _stack(members: Sequence[torch.Tensor]) -> torch.Tensor:
     return stacked
 
 
-def _unstack(stacked: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
-    """The members of ``stacked`` (see :func:`_stack`) in ``shape``, as new tensors rather than views."""
+def _unstack(stacked: torch.Tensor, shape: tuple[int, ...], guarded: bool | None = None) -> list[torch.Tensor]:
+    """The members of ``stacked`` (see :func:`_stack`) in ``shape``, as new tensors rather than views.
+
+    ``guarded``: with the index guard; by default as :func:`cpu_codegen` says on this thread.
+    """
     n = stacked.shape[0]
-    guarded = cpu_codegen()
+    if guarded is None:
+        guarded = cpu_codegen()
     computation = _unstack_computation(n, shape, tuple(stacked.shape[1:]), stacked.dtype, guarded)
     operands = [*_indices(n), stacked]
     return list(xlac()._xla_user_computation("xla::txe_unstack", operands, computation))
@@ -186,6 +190,7 @@ class _Stack(torch.autograd.Function):
     def forward(ctx, *members: torch.Tensor) -> torch.Tensor:
         ctx.shardings = [_sharding_of(t) for t in members]
         ctx.shape = tuple(members[0].shape)
+        ctx.guarded = cpu_codegen()  # the backward runs on autograd's thread: the forward's choice
         ctx.set_materialize_grads(False)
         return _stack(members)
 
@@ -193,7 +198,7 @@ class _Stack(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:  # the members reach no output (see _ScanFunction.backward)
             return (None,) * len(ctx.shardings)
-        grads = _unstack(grad, ctx.shape)
+        grads = _unstack(grad, ctx.shape, ctx.guarded)
         _apply_shardings(grads, ctx.shardings)
         return tuple(grads)
 
