@@ -9,6 +9,7 @@ with the plain loop ``for layer in layers: h = layer(h)`` on the device.
 from __future__ import annotations
 
 import copy
+import textwrap
 import types
 
 import pytest
@@ -19,6 +20,8 @@ from torch import nn
 import torch_xla_ext as txe
 from torch_xla_ext.scan import scan_cache_info
 from torch_xla_ext.testing.tolerances import tolerance
+
+from child_process import SPMD_CHILD, run_surviving
 
 
 class Block(nn.Module):
@@ -95,6 +98,38 @@ def test_hooks_removed_again_scan_like_the_loop(device):
     h = torch.randn(4, 8, device=device)
     torch.testing.assert_close(txe.scan_layers(layers, h).cpu(), _loop(layers, h).cpu(),
                                **tolerance(torch.float32, 8 * 3))
+
+
+_HF_HOOK = SPMD_CHILD + textwrap.dedent('''
+    import torch_xla_ext as txe
+    from transformers.utils import output_capturing
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)]).to(dev)
+    for layer in layers:  # as transformers installs it on every decoder layer at a model's first forward
+        output_capturing.install_output_capuring_hook(layer, "hidden_states", 0)
+    h = torch.randn(4, 8).to(dev)
+    want = h
+    for layer in layers:
+        want = layer(want)
+    got = txe.scan_layers(layers, h)
+    close = torch.allclose(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-5)
+    token = output_capturing._active_collector.set({"hidden_states": []})
+    try:
+        txe.scan_layers(layers, h)
+        capturing = "accepted"
+    except txe.ScanInputError as error:
+        capturing = "refused" if "forward hook" in str(error) else str(error)
+    finally:
+        output_capturing._active_collector.reset(token)
+    print("hf imported", "torch_xla_ext.hf" in sys.modules, "close", close, "capturing", capturing)
+''')
+
+
+def test_hugging_faces_idle_output_hook_is_accepted_without_importing_hf_and_refused_while_capturing(tmp_path):
+    # The hooks scan_layers accepts are a fixed set: importing torch_xla_ext.hf used to add this one.
+    out = run_surviving(tmp_path, _HF_HOOK)
+    assert out.splitlines()[-1] == "hf imported False close True capturing refused", out
 
 
 def test_a_per_layer_private_attribute_that_changes_the_result_is_refused(device):

@@ -5,6 +5,8 @@ checks between them. Each module holds one idea:
 
 ``homogeneous``     whether layers can share one traced step (members, hooks,
                     attributes).
+``idle_hooks``      the module hooks that do nothing per layer, accepted on
+                    scanned layers (a fixed set).
 ``groups``          a repeating group of consecutive layers scanned as one
                     (``group_size``), Hugging Face's interleaved stacks.
 ``stacking``        stacking the layers' members per call, and handing the

@@ -17,7 +17,7 @@ every layer computes the same function of its members:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from .._scan.errors import ScanInputError
 from .._scan.guard import describe_callable
 from .._scan.keys import attribute_key, by_contents, readable_attributes, value_key
 from .._scan.sharding import _canonical_specs
+from .idle_hooks import is_idle_hook
 
 
 def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,31 +114,15 @@ _HOOK_TABLES = (("forward pre-hook", "_forward_pre_hooks"), ("forward hook", "_f
                 ("backward pre-hook", "_backward_pre_hooks"), ("backward hook", "_backward_hooks"))
 
 
-def _partitionable(hook: object) -> bool:
-    from .._partitionable import is_partitionable_hook
-
-    return is_partitionable_hook(hook)
-
-
-_allowed_hooks: list[Callable[[object], bool]] = [_partitionable]
-
-
-def allow_hooks(predicate: Callable[[object], bool]) -> None:
-    """Let :func:`check_hooks` accept the hooks ``predicate`` returns True for: hooks that do nothing per layer."""
-    if predicate not in _allowed_hooks:
-        _allowed_hooks.append(predicate)
-
-
 def check_hooks(layers: Sequence[torch.nn.Module]) -> None:
     """Refuse module hooks on any layer or its submodules, and global module hooks.
 
     scan_layers runs ``layers[0]``'s forward for every layer with each
     layer's weights: a hook on ``layers[1]`` would never run, one on
     ``layers[0]`` would run for every layer and see ``layers[0]`` as its
-    module. Hooks a predicate of :func:`allow_hooks` accepts are allowed: the
-    LayerNorm hooks ``fully_shard`` installs (the same on every layer,
-    reading no module state), and Hugging Face's output-capturing hooks while
-    no output is being captured (``torch_xla_ext.hf`` registers that check).
+    module. Hooks that do nothing per layer are allowed (:mod:`.idle_hooks`:
+    the LayerNorm hooks ``fully_shard`` installs, Hugging Face's
+    output-capturing hooks while no output is being captured).
     """
     from torch.nn.modules import module as nn_module
 
@@ -154,7 +139,7 @@ def check_hooks(layers: Sequence[torch.nn.Module]) -> None:
         for path, module in layer.named_modules():
             for kind, table in _HOOK_TABLES:
                 for hook in getattr(module, table).values():
-                    if any(allowed(hook) for allowed in _allowed_hooks):
+                    if is_idle_hook(hook):
                         continue
                     where = f"layers[{i}]" + (f".{path}" if path else "")
                     raise ScanInputError(

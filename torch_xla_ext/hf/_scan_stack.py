@@ -47,7 +47,7 @@ import torch
 from ._masks import check_mask_window, model_window
 from .._scan.errors import ScanInputError
 from .._scan_layers.groups import POSITIONS, layer_groups
-from .._scan_layers.homogeneous import allow_hooks
+from .._scan_layers.idle_hooks import capturing_outputs
 from .._scan_layers.layers import _scan_layers
 from ..remat import nothing_saveable
 
@@ -257,36 +257,12 @@ def _refuse_per_layer_state(args: tuple, kwargs: dict[str, Any]) -> None:
             "each layer writes its own entry of the cache, which a scanned stack cannot do. Call the model with "
             "use_cache=False (training), or undo with model_layers.unscan() for generation."
         )
-    if _capturing_outputs():
+    if capturing_outputs():
         raise ScanInputError(
             "scan_decoder_layers: the model was asked for every layer's output (output_hidden_states or "
             "output_attentions); a scanned stack returns only the last layer's. Call it without them, or undo "
             "with model_layers.unscan()."
         )
-
-
-def _capturing_outputs() -> bool:
-    """Whether a Hugging Face forward is collecting per-layer outputs (output_hidden_states, ...) right now."""
-    capturing = sys.modules.get("transformers.utils.output_capturing")
-    collector = getattr(capturing, "_active_collector", None)
-    try:
-        return collector is not None and bool(collector.get())
-    except LookupError:
-        return False
-
-
-def _idle_output_capturing_hook(hook: object) -> bool:
-    """Hugging Face's output-capturing forward hook while nothing is captured: it does nothing.
-
-    transformers installs it on every decoder layer at the model's first
-    forward and keeps it; it records outputs only while a collector is active,
-    which :func:`_refuse_per_layer_state` refuses for a scanned stack.
-    """
-    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
-            and not _capturing_outputs())
-
-
-allow_hooks(_idle_output_capturing_hook)
 
 
 def _period(layer_types: object, num_layers: int) -> int | None:
