@@ -9,7 +9,7 @@ Two things torch_xla cannot do with it:
 - **Execute it.** A program reading a placeholder that gets executed is a
   segmentation fault in torch_xla 2.9 (measured). Only lower it, and let every
   tensor whose pending graph reads one go before anything syncs
-  (:func:`torch_xla_ext.tpu.fit.compile_step` collects its model before it
+  (:func:`torch_xla_ext.tpu._fit_step.compile_step` collects its model before it
   returns; nothing recorded here holds a parameter).
 - **Mark its sharding.** ``mark_sharding`` shards the data, and there is none
   ("Data does not present on any device"). :func:`mark_placeholder` instead

@@ -152,7 +152,7 @@ def test_a_placement_that_depends_on_the_device_count_is_refused():
     import torch
 
     from torch_xla_ext.distributed import fully_shard
-    from torch_xla_ext.tpu_fit import _check_placements
+    from torch_xla_ext.tpu._fit_step import _check_placements
 
     model = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)))
     _check_placements(model, 8, 16)  # 16 divides over 8 and over 16: dim 0 both times

@@ -1,0 +1,179 @@
+"""One path of ``tpu_fit``, in its own child process: the training step lowered from shapes and compiled for a slice.
+
+The child reads a request (JSON, :mod:`._fit_request`) on stdin and prints
+its :class:`~._fit_request.FitReport` as one JSON line. torch_xla starts
+here with as many virtual devices as the parent chose
+(:func:`~._fit_request.lowering_devices`); a program over placeholders must
+never be executed, so the child leaves with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+from ._fit_request import FitReport, load_config, parse_path
+
+__all__ = ["compile_step"]
+
+
+def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
+                 from_shapes: bool = True) -> FitReport:
+    """This process's part of :func:`fit`: needs torch_xla started with ``lowering_devices(chips)`` devices.
+
+    ``from_shapes=False`` builds the same step from real tensors instead
+    (random weights and tokens, one step executed first so the moments
+    exist): what the test compares the shape-only program with, on a model
+    small enough to hold.
+
+    The shape-only step's pending graph reads placeholders, and a sync that
+    executed it would crash the process; it goes with the model, whose
+    reference cycles are collected before this returns or raises, so the
+    process may go on to execute other work.
+    """
+    try:
+        return _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes)
+    except BaseException as error:
+        if from_shapes:  # the error's traceback would keep the failed step's locals, and its graph, alive
+            traceback.clear_frames(error.__traceback__)
+        raise
+    finally:
+        if from_shapes:
+            gc.collect()
+
+
+def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool) -> FitReport:
+    import numpy as np
+    import torch
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from .. import remat as remat_policies
+    from .. import tpu
+    from .._annotate import mark_sharding
+    from .._placeholders import before_step, placeholder, replace_parameters
+    from ._client import topology_devices
+    from ..distributed import MixedPrecisionPolicy
+    from ..hf import prepare
+
+    scan, remat, bf16 = parse_path(path)
+    cfg = load_config(config)
+    chips = len(topology_devices(topology))
+    start = time.perf_counter()
+    xr.use_spmd()
+    devices = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
+    if from_shapes:
+        with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) real and small
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    count = sum(p.numel() for p in model.parameters())
+    if from_shapes:
+        replace_parameters(model.modules())
+    prepare(model, mesh, scan=scan, remat=None if remat is None else getattr(remat_policies, remat),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
+    if devices != chips:
+        _check_placements(model, devices, chips)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if from_shapes:
+        for p in params:  # the steady step's moments: sharded like their parameter
+            moments = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                moments[name] = placeholder(p.shape, p.dtype)
+                spec = _spec_of(p)
+                if spec is not None:
+                    mark_sharding(moments[name], mesh, spec)
+            optimizer.state[p] = {"step": torch.tensor(1.0), **moments}
+        tokens = placeholder((batch, seq), torch.int64)
+        mark_sharding(tokens, mesh, ("fsdp", None))
+    else:
+        import torch_xla
+
+        step(_sharded_tokens(cfg, batch, seq, mesh))
+        torch_xla.sync(wait=True)
+        tokens = _sharded_tokens(cfg, batch, seq, mesh)
+    state = params + [m for s in optimizer.state.values() for k, m in s.items() if k != "step"]
+    before = [before_step(t) for t in state]
+    with tpu.lowering():
+        loss = step(tokens)
+    lowered = time.perf_counter() - start
+    result = tpu._compile([loss], topology, list(zip(before, state)), widen=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices)
+
+
+def _check_placements(model: Any, devices: int, chips: int) -> None:
+    """Refuse a model fully_shard would place otherwise on ``chips`` than on the ``devices`` it was lowered on."""
+    from .._contract import applied_spec, is_stacked
+    from ..distributed._param import default_placement
+
+    for name, p in model.named_parameters():
+        spec = applied_spec(p)
+        if spec is None:
+            continue
+        here = next((d for d, s in enumerate(spec) if s is not None), None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "stays replicated": the answer compared below
+            holder_name, _, local = name.rpartition(".")
+            there = default_placement(p, name, chips, None, stacked=is_stacked(model.get_submodule(holder_name), local))
+        if here != there:
+            raise ValueError(
+                f"tpu_fit: {name} {tuple(p.shape)} is sharded on dim {here} over {devices} devices but would be "
+                f"{'replicated' if there is None else f'sharded on dim {there}'} over {chips}; a slice of "
+                f"{chips} chips is lowered on {devices} virtual devices (autograd counts at most 127), which "
+                f"needs the same placement on both"
+            )
+
+
+def _sharded_tokens(cfg: Any, batch: int, seq: int, mesh: Any) -> Any:
+    import torch
+    import torch_xla
+
+    from .._annotate import mark_sharding
+
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq)).to(torch_xla.device())
+    mark_sharding(tokens, mesh, ("fsdp", None))
+    return tokens
+
+
+def _spec_of(p: Any) -> tuple | None:
+    """The partition spec fully_shard gave ``p`` (None: replicated)."""
+    from .._contract import applied_spec
+
+    spec = applied_spec(p)
+    return None if spec is None or all(s is None for s in spec) else spec
+
+
+def _main() -> int:
+    """Child process: read a request (JSON) from stdin, print the report as one JSON line."""
+    request = json.loads(sys.stdin.read())
+    report = compile_step(request["config"], request["topology"], batch=request["batch"], seq=request["seq"],
+                          path=request["path"], from_shapes=request.get("from_shapes", True))
+    print(json.dumps(dataclasses.asdict(report)))
+    sys.stdout.flush()
+    os._exit(0)  # placeholders are still alive: nothing may sync them at exit
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
