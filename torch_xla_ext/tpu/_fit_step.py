@@ -51,28 +51,49 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
 
 
 def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool) -> FitReport:
-    import numpy as np
-    import torch
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from .. import remat as remat_policies
+    """The phases, in order: mesh, model, prepared model, steady optimizer, batch, lowered step, compiled step."""
     from .. import tpu
-    from .._annotate import mark_sharding
-    from .._placeholders import before_step, placeholder, replace_parameters
     from ._client import topology_devices
-    from ..distributed import MixedPrecisionPolicy
-    from ..hf import prepare
 
     scan, remat, bf16 = parse_path(path)
     cfg = load_config(config)
     chips = len(topology_devices(topology))
     start = time.perf_counter()
+    mesh, devices = _mesh()
+    model, count = _model(cfg, from_shapes)
+    _prepare(model, mesh, scan, remat, bf16)
+    if devices != chips:
+        _check_placements(model, devices, chips)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _steady_optimizer(params, mesh, from_shapes)
+    step = _training_step(model, optimizer)
+    tokens = _batch(cfg, batch, seq, mesh, from_shapes, step)
+    loss, donated = _lowered(step, tokens, params, optimizer)
+    lowered = time.perf_counter() - start
+    result = tpu._compile([loss], topology, donated, widen=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices)
+
+
+def _mesh() -> tuple[Any, int]:
+    """A 1-D ``fsdp`` mesh over every device this process started with, and their count."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
     xr.use_spmd()
     devices = xr.global_runtime_device_count()
-    mesh = xs.Mesh(np.arange(devices), (devices,), ("fsdp",))
+    return xs.Mesh(np.arange(devices), (devices,), ("fsdp",)), devices
+
+
+def _model(cfg: Any, from_shapes: bool) -> tuple[Any, int]:
+    """The causal LM of ``cfg`` in fp32 and its parameter count; from shapes, its parameters are placeholders."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from .._placeholders import replace_parameters
+
     if from_shapes:
         with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) real and small
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -82,22 +103,32 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
     count = sum(p.numel() for p in model.parameters())
     if from_shapes:
         replace_parameters(model.modules())
+    return model, count
+
+
+def _prepare(model: Any, mesh: Any, scan: bool, remat: str | None, bf16: bool) -> None:
+    """``hf.prepare`` as the path names it: scanned or looped, its remat policy, bf16 compute."""
+    import torch
+
+    from .. import remat as remat_policies
+    from ..distributed import MixedPrecisionPolicy
+    from ..hf import prepare
+
     prepare(model, mesh, scan=scan, remat=None if remat is None else getattr(remat_policies, remat),
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
-    if devices != chips:
-        _check_placements(model, devices, chips)
-    params = [p for p in model.parameters() if p.requires_grad]
+
+
+def _steady_optimizer(params: list, mesh: Any, from_shapes: bool) -> Any:
+    """AdamW over ``params``; from shapes, with the steady step's moments as placeholders sharded like each
+    parameter (from real tensors, the first executed step makes them: :func:`_batch`)."""
+    import torch
+
+    from .._annotate import mark_sharding
+    from .._placeholders import placeholder
+
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
     if from_shapes:
-        for p in params:  # the steady step's moments: sharded like their parameter
+        for p in params:
             moments = {}
             for name in ("exp_avg", "exp_avg_sq"):
                 moments[name] = placeholder(p.shape, p.dtype)
@@ -105,22 +136,49 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
                 if spec is not None:
                     mark_sharding(moments[name], mesh, spec)
             optimizer.state[p] = {"step": torch.tensor(1.0), **moments}
+    return optimizer
+
+
+def _training_step(model: Any, optimizer: Any) -> Any:
+    """One step: forward with labels, backward, the optimizer's update; returns the loss."""
+    def step(tokens: Any) -> Any:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _batch(cfg: Any, batch: int, seq: int, mesh: Any, from_shapes: bool, step: Any) -> Any:
+    """The step's tokens, sharded on the batch; from real tensors, after one executed step (the moments)."""
+    import torch
+
+    from .._annotate import mark_sharding
+    from .._placeholders import placeholder
+
+    if from_shapes:
         tokens = placeholder((batch, seq), torch.int64)
         mark_sharding(tokens, mesh, ("fsdp", None))
-    else:
-        import torch_xla
+        return tokens
+    import torch_xla
 
-        step(_sharded_tokens(cfg, batch, seq, mesh))
-        torch_xla.sync(wait=True)
-        tokens = _sharded_tokens(cfg, batch, seq, mesh)
+    step(_sharded_tokens(cfg, batch, seq, mesh))
+    torch_xla.sync(wait=True)
+    return _sharded_tokens(cfg, batch, seq, mesh)
+
+
+def _lowered(step: Any, tokens: Any, params: list, optimizer: Any) -> tuple[Any, list]:
+    """The step's loss, pending, lowered as on a TPU; and each updated tensor paired with its old buffer."""
+    from .. import tpu
+    from .._placeholders import before_step
+
     state = params + [m for s in optimizer.state.values() for k, m in s.items() if k != "step"]
     before = [before_step(t) for t in state]
     with tpu.lowering():
         loss = step(tokens)
-    lowered = time.perf_counter() - start
-    result = tpu._compile([loss], topology, list(zip(before, state)), widen=True)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices)
+    return loss, list(zip(before, state))
 
 
 def _check_placements(model: Any, devices: int, chips: int) -> None:
