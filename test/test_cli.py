@@ -11,7 +11,7 @@ import torch
 import torch_xla
 
 import torch_xla_ext as txe
-from torch_xla_ext.__main__ import main
+from torch_xla_ext.cli.main import main
 from torch_xla_ext._cpu_threads import _cores
 
 
@@ -59,7 +59,7 @@ def test_demo_runs_on_default_cpu_devices():
 
 
 def test_cli_hides_xla_warnings_unless_the_user_set_a_level(monkeypatch):
-    from torch_xla_ext._demo import default_xla_log_level
+    from torch_xla_ext.cli.demo import default_xla_log_level
 
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     default_xla_log_level()

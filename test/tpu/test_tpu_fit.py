@@ -133,7 +133,7 @@ def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
 ])
 def test_cli_refuses_bad_arguments_before_compiling(config_file, args, message, capsys, monkeypatch):
     from torch_xla_ext import tpu_fit
-    from torch_xla_ext.__main__ import main
+    from torch_xla_ext.cli.main import main
 
     def no_child(*args, **kwargs):
         raise AssertionError("a child started")
@@ -162,7 +162,7 @@ def test_a_placement_that_depends_on_the_device_count_is_refused():
 
 
 def test_the_table_shows_a_refused_step_by_what_the_compiler_says_it_needs_and_a_stopped_one_by_why():
-    from torch_xla_ext.tpu._fit_cli import report_table
+    from torch_xla_ext.cli.tpu_fit import report_table
     from torch_xla_ext.tpu_fit import FitReport
 
     gib = 1 << 30

@@ -13,7 +13,7 @@ __all__ = ["add_parser"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tpu-fit`` on the command line's subcommands."""
-    from .fit import DEFAULT_PATHS, PATHS
+    from ..tpu.fit import DEFAULT_PATHS, PATHS
 
     p = sub.add_parser(
         "tpu-fit", help="does a transformers model's training step fit a TPU slice (compiled here, from shapes)",
@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``tpu-fit``; 0 when every path compiled (fitting or not), 1 when one failed, 2 for bad arguments."""
     import os
 
-    from ._client import TpuUnavailable
-    from .fit import fit
+    from ..tpu._client import TpuUnavailable
+    from ..tpu.fit import fit
 
     # This process only reads the config and the topology; the children lower and compile. transformers
     # imports torch_xla where it is installed, which would warn that it picks the CPU itself.

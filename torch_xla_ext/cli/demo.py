@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ._cpu_threads import widen_cpu_client_threads
-from ._format import format_bytes, parse_tiled_spec
+from .._cpu_threads import widen_cpu_client_threads
+from .._format import format_bytes, parse_tiled_spec
 
 __all__ = ["run_demo"]
 
@@ -72,7 +72,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def _sharding_spec(t: torch.Tensor) -> str:
     """The XLA sharding string of ``t`` (``""`` when it has none); reads no data."""
-    from ._xla import xlac
+    from .._xla import xlac
 
     return xlac()._get_xla_sharding_spec(t)
 
@@ -108,7 +108,7 @@ def run_demo(layers: int, width: int, steps: int) -> int:
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    from ._xla import torch_xla_device
+    from .._xla import torch_xla_device
 
     xr.use_spmd()
     torch_xla_device()  # the runtime starts here, in SPMD mode
@@ -131,7 +131,7 @@ def _demo_parameter_mapping(mesh: Any, layers: int, width: int) -> None:
 
     import torch_xla_ext as txe
 
-    from .testing import measure_transfers
+    from ..testing import measure_transfers
 
     device = torch_xla.device()
     torch.manual_seed(0)
@@ -212,8 +212,8 @@ def _demo_scan_layers(mesh: Any, num_layers: int, width: int) -> None:
 
     import torch_xla_ext as txe
 
-    from .testing import measure_transfers
-    from .testing.models import MLPBlock
+    from ..testing import measure_transfers
+    from ..testing.models import MLPBlock
 
     print("\nscan_layers: the same blocks as one XLA while loop (forward) and one in reverse (backward)")
     device = torch_xla.device()
@@ -276,8 +276,8 @@ def _demo_fsdp(num_layers: int, width: int, steps: int) -> None:
 
     import torch_xla_ext as txe
 
-    from .distributed import get_fully_sharded_modules
-    from .testing import measure_transfers
+    from ..distributed import get_fully_sharded_modules
+    from ..testing import measure_transfers
 
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("fsdp",))
@@ -326,8 +326,8 @@ def _demo_fsdp(num_layers: int, width: int, steps: int) -> None:
 
 def _sharded_decoder(mesh: Any, vocab: int, num_layers: int, width: int) -> torch.nn.Module:
     """The demo's decoder (seeded), ``fully_shard`` on each layer and on the root."""
-    from .distributed import fully_shard
-    from .testing.models import Decoder
+    from ..distributed import fully_shard
+    from ..testing.models import Decoder
 
     torch.manual_seed(0)
     model = Decoder(vocab, width, num_layers, embed_std=width**-0.5)
@@ -347,8 +347,8 @@ def _demo_tpu(num_layers: int, width: int) -> None:
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
 
-    from . import tpu
-    from .tpu._client import topology_devices
+    from .. import tpu
+    from ..tpu._client import topology_devices
 
     n = xr.global_runtime_device_count()
     print(f"\nTPU fit check: the same fully sharded step compiled for a TPU {TPU_TOPOLOGY} slice by libtpu's "
