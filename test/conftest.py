@@ -85,15 +85,17 @@ def num_devices() -> int:
     return n
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mesh_4x2(num_devices):
+    """The 8 devices as a 4 x 2 mesh, axes ``x`` and ``y``."""
     import torch_xla.distributed.spmd as xs
 
     return xs.Mesh(np.arange(num_devices), (4, 2), ("x", "y"))
 
 
-@pytest.fixture
-def mesh_1d(num_devices):
+@pytest.fixture(scope="session")
+def mesh(num_devices):
+    """The 8 devices on one ``fsdp`` axis: the mesh of every fully sharded test."""
     import torch_xla.distributed.spmd as xs
 
     return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))

@@ -6,7 +6,6 @@ along with the helpers it uses.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -46,11 +45,6 @@ def spec(t: torch.Tensor) -> str:
 def tiny_decoder(vocab: int = VOCAB, d: int = WIDTH, layers: int = LAYERS, use_scan: bool = True) -> models.Decoder:
     """The tiny decoder: tied embedding and LM head, ReLU MLP blocks of hidden size 2 * d, no final norm."""
     return models.Decoder(vocab, d, layers, lambda: models.MLPBlock(d, 2 * d, torch.relu), use_scan=use_scan)
-
-
-@pytest.fixture
-def mesh(num_devices):
-    return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
 
 
 def shard_decoder(model: models.Decoder, mesh, **kw) -> models.Decoder:

@@ -12,7 +12,6 @@ from torch_xla_ext._annotate import Annotator, annotate_sharding, is_replicated_
 from torch_xla_ext._xla import xlac
 from torch_xla_ext.testing import measure_transfers
 
-from fsdp_helpers import mesh  # noqa: F401  (fixture: pytest finds it by name)
 
 
 def _spec(t: torch.Tensor) -> str:

@@ -25,7 +25,7 @@ from torch_xla_ext.distributed import (
 )
 from torch_xla_ext.testing import models
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import (EXACT, FSDP8, LAYERS, TiedAcrossLayers, assert_bookkeeping, batch, loss_fn, shard_decoder,
                           spec, tiny_decoder, train_like_eager)
 

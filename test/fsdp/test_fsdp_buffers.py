@@ -14,7 +14,7 @@ from torch_xla_ext._annotate import is_replicated_spec
 from torch_xla_ext.distributed import fully_shard
 from torch_xla_ext.testing import measure_transfers
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import BATCH, EXACT, LLAMA_STEPS, LLAMA_TOL, SEQ, VOCAB_LLAMA, spec, tiny_llama
 
 

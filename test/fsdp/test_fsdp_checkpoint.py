@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch_xla.experimental.distributed_checkpoint import (CheckpointManager, SPMDLoadPlanner, SPMDSavePlanner,
                                                            prime_optimizer)
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import EXACT, FSDP8, FSDP8_1D, batch, loss_fn, shard_decoder, spec, tiny_decoder
 
 pytestmark = [

@@ -14,7 +14,7 @@ import torch_xla.distributed.spmd as xs
 
 from torch_xla_ext.distributed import fully_shard
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import (BATCH, FSDP8, FSDP8_1D, LLAMA_STEPS, LLAMA_TOL, SEQ, STEPS, TRAIN_TOL, VOCAB, VOCAB_LLAMA, batch,
                           loss_fn, shard_decoder, spec, tiny_decoder, tiny_llama)
 

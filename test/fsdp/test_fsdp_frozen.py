@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import EXACT, STEPS, TRAIN_TOL, batch, loss_fn, shard_decoder, spec, step_like_eager, tiny_decoder
 
 

@@ -13,7 +13,7 @@ import torch_xla
 import torch_xla_ext as txe
 from torch_xla_ext.distributed import MixedPrecisionPolicy, fully_shard
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import LAYERS, TRAIN_TOL, batch, loss_fn, shard_decoder, tiny_decoder, train_like_eager
 
 

@@ -11,7 +11,7 @@ import torch_xla.distributed.spmd as xs
 from torch_xla_ext.distributed import fully_shard, get_fully_sharded_modules, replicate
 from torch_xla_ext.testing import measure_transfers, models
 
-from fsdp_helpers import mesh, seeded  # noqa: F401  (fixtures: pytest finds them by name)
+from fsdp_helpers import seeded  # noqa: F401  (a fixture: pytest finds it by name)
 from fsdp_helpers import (EXACT, FSDP8, FSDP8_1D, TiedAcrossLayers, assert_bookkeeping, shard_decoder, spec,
                           tiny_decoder, train_like_eager)
 

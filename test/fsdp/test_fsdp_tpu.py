@@ -16,7 +16,7 @@ from torch_xla_ext.distributed import _state
 
 from torch_xla_ext.testing import models
 
-from fsdp_helpers import mesh, seeded, shard_decoder  # noqa: F401  (fixtures)
+from fsdp_helpers import seeded, shard_decoder  # noqa: F401  (seeded: a fixture)
 
 WIDTH, LAYERS = 128, 4
 

@@ -71,13 +71,13 @@ def test_nested_guards_each_judge_their_block(device):
     assert "f32[9,3]" in str(outer.value)  # the inner compile is the outer block's too
 
 
-def test_a_changed_output_sharding_is_named(device, mesh_1d):
+def test_a_changed_output_sharding_is_named(device, mesh):
     w = torch.randn(3, 16, device=device)
     torch_xla.sync()
 
     def step(spec):
         y = torch.tanh(torch.ones(40, 3, device=device) @ w)  # 40 rows: a shape no other test compiles
-        xs.mark_sharding(y, mesh_1d, spec)
+        xs.mark_sharding(y, mesh, spec)
         torch_xla.sync()
         return y
 
@@ -85,7 +85,7 @@ def test_a_changed_output_sharding_is_named(device, mesh_1d):
     with pytest.raises(txe.RecompileError) as caught:
         with txe.no_recompiles():
             step((None, None))  # cached
-            step((None, mesh_1d.axis_names[0]))  # the same ops and shapes, sharded over the columns
+            step((None, mesh.axis_names[0]))  # the same ops and shapes, sharded over the columns
     message = str(caught.value)
     assert "shardings: before output f32[40,16] {replicated}; now output f32[40,16] {devices=" in message, message
     assert "ops:" not in message and "inputs:" not in message, message

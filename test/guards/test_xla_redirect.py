@@ -10,7 +10,7 @@ import torch_xla.distributed.spmd as xs
 from torch_xla_ext._xla import redirected_mark_sharding
 
 
-def test_a_redirect_in_one_thread_leaves_other_threads_on_torch_xla(device, mesh_1d):
+def test_a_redirect_in_one_thread_leaves_other_threads_on_torch_xla(device, mesh):
     opened, done = threading.Event(), threading.Event()
     seen = []
 
@@ -22,13 +22,13 @@ def test_a_redirect_in_one_thread_leaves_other_threads_on_torch_xla(device, mesh
         with redirected_mark_sharding(handler):
             opened.set()
             done.wait(60)
-            xs.mark_sharding(torch.zeros(8, device=device), mesh_1d, ("fsdp",))  # redirected: this thread's
+            xs.mark_sharding(torch.zeros(8, device=device), mesh, ("fsdp",))  # redirected: this thread's
 
     thread = threading.Thread(target=holder, name="tracer")
     thread.start()
     assert opened.wait(60)
     try:
-        annotated = xs.mark_sharding(torch.ones(8, device=device), mesh_1d, ("fsdp",))  # torch_xla's own
+        annotated = xs.mark_sharding(torch.ones(8, device=device), mesh, ("fsdp",))  # torch_xla's own
     finally:
         done.set()
         thread.join(60)

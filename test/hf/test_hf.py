@@ -13,11 +13,9 @@ import contextlib
 import copy
 import inspect
 
-import numpy as np
 import pytest
 import torch
 import torch_xla
-import torch_xla.distributed.spmd as xs
 import transformers
 
 import torch_xla_ext as txe
@@ -62,8 +60,7 @@ def _train_step(model, optimizer, ids, mask):
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["loop", "scan"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_fully_sharded_training_matches_cpu_eager(kind, scanned, num_devices):
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+def test_fully_sharded_training_matches_cpu_eager(kind, scanned, mesh):
     cpu = _model(kind)
     model = copy.deepcopy(cpu)
     keys = list(model.state_dict())
@@ -94,12 +91,11 @@ def test_fully_sharded_training_matches_cpu_eager(kind, scanned, num_devices):
         assert model.lm_head.weight is model.transformer.wte.weight
 
 
-def test_a_fully_sharded_model_shows_transformers_its_own_forward(num_devices):
+def test_a_fully_sharded_model_shows_transformers_its_own_forward(mesh):
     # Trainer keeps only the batch columns that inspect.signature(model.forward) names, and finds
     # the label arguments with find_labels: a (*args, **kwargs) forward made it drop every input.
     from transformers.utils import find_labels
 
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
     cpu = _model("llama")
     model = copy.deepcopy(cpu)
     for layer in _layers(model):

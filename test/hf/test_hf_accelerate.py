@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch_xla
-import torch_xla.distributed.spmd as xs
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
@@ -23,8 +21,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 STEPS = 6
 
 
-def test_accelerate_loop_matches_the_cpu_loop_and_moves_nothing_per_step(num_devices):
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+def test_accelerate_loop_matches_the_cpu_loop_and_moves_nothing_per_step(mesh):
     cpu = tiny("llama")
     model = prepare(copy.deepcopy(cpu), mesh)
     rows = token_rows(8 * STEPS, 12)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import torch
 import torch_xla
-import torch_xla.distributed.spmd as xs
 import transformers
 from torch import nn
 
@@ -59,8 +57,7 @@ def _lora_llama() -> nn.Module:
     return model
 
 
-def test_lora_fine_tune_through_the_recipe_matches_cpu_eager(num_devices):
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+def test_lora_fine_tune_through_the_recipe_matches_cpu_eager(mesh):
     cpu = _lora_llama()
     model = copy.deepcopy(cpu)
     for layer in model.model.layers:

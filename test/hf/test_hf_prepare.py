@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch_xla
-import torch_xla.distributed.spmd as xs
 
 from torch_xla_ext import remat
 from torch_xla_ext.distributed import FSDPModule, fully_shard
@@ -20,11 +18,6 @@ from hf_tiny import VOCAB, tiny
 
 # float32 logits of a 3-layer model: the same math, another reduction order on 8 devices.
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def mesh(num_devices):
-    return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
 
 
 def _packed_position_ids(batch: int, lengths: tuple[int, ...]) -> torch.Tensor:

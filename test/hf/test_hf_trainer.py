@@ -10,9 +10,7 @@ Trainer's defaults, its checkpoints and its resume: ``test_hf_trainer_run.py``.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch_xla.distributed.spmd as xs
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
 
@@ -25,11 +23,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"),
     pytest.mark.filterwarnings("ignore:.*TypedStorage is deprecated"),
 ]
-
-
-@pytest.fixture(scope="module")
-def mesh(num_devices):
-    return xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
 
 
 def test_trainer_trains_an_interleaved_gemma2_as_on_the_cpu(tmp_path, mesh):

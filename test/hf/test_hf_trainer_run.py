@@ -65,10 +65,9 @@ print(json.dumps({"losses": losses(trainer),
 
 
 @pytest.fixture(scope="module")
-def trained_llama(tmp_path_factory, num_devices) -> TrainedRun:
+def trained_llama(tmp_path_factory, mesh) -> TrainedRun:
     """The run every test of this file reads: a prepared tiny Llama, Trainer's defaults, 6 steps, one compile."""
     out = tmp_path_factory.mktemp("trainer")
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
     rows = token_rows(64, 12)
     steps = StepCounts()
     trainer = CountedTrainer(model=prepare(tiny("llama"), mesh), args=run_arguments(out), train_dataset=rows,
@@ -171,8 +170,7 @@ def test_a_checkpoint_loads_onto_another_mesh_sharded_again(trained_llama, num_d
         assert torch.equal(moment.cpu(), saved[names[name]]["exp_avg"].cpu()), name
 
 
-def test_load_best_model_at_end_reads_the_best_checkpoints_shards(tmp_path, num_devices):
-    mesh = xs.Mesh(np.arange(num_devices), (num_devices,), ("fsdp",))
+def test_load_best_model_at_end_reads_the_best_checkpoints_shards(tmp_path, mesh):
     rows = token_rows(32, 12)
     args = arguments(tmp_path, max_steps=2, logging_steps=1, save_steps=1, eval_strategy="steps", eval_steps=1,
                      load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)

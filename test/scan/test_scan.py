@@ -266,14 +266,14 @@ def test_no_grad_mode_builds_no_backward(device):
     assert carry_grad.requires_grad and "f32[5," in X._get_xla_tensors_hlo([carry_grad])
 
 
-def test_scan_does_not_keep_its_inputs_alive(device, mesh_1d):
+def test_scan_does_not_keep_its_inputs_alive(device, mesh):
     # A tensor that is still alive at the next sync becomes one more output of
     # the synced graph: the gradient step must not hold on to xs.
     import weakref
 
     w = torch.randn(8, 4).to(device).requires_grad_()
     xs_t = w * 2
-    xs.mark_sharding(xs_t, mesh_1d, (None, "fsdp"))
+    xs.mark_sharding(xs_t, mesh, (None, "fsdp"))
     alive = weakref.ref(xs_t)
     carry, _ = txe.scan(cumsum_fn, torch.zeros(4, device=device), xs_t)
     del xs_t

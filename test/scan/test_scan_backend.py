@@ -56,7 +56,7 @@ def test_scan_lowers_the_guard_only_for_xla_cpu_and_uploads_nothing(device, on):
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["cpu", "other_backend"])
-def test_scan_layers_stacks_merged_members_only_for_xla_cpu(device, mesh_1d, on):
+def test_scan_layers_stacks_merged_members_only_for_xla_cpu(device, mesh, on):
     import torch_xla.distributed.spmd as xs
 
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def test_scan_layers_stacks_merged_members_only_for_xla_cpu(device, mesh_1d, on)
     layers.load_state_dict(cpu_layers.state_dict())
     layers = layers.to(device)
     for layer in layers:
-        xs.mark_sharding(layer.weight, mesh_1d, ("fsdp", None))
+        xs.mark_sharding(layer.weight, mesh, ("fsdp", None))
     x_cpu = torch.randn(4, 16)
     clear_scan_cache()
     with forced_cpu_codegen(on):

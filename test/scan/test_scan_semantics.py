@@ -266,11 +266,11 @@ def test_y_aliasing_a_carry_updated_in_place_is_refused(device):
         txe.scan(fn, torch.zeros(4, device=device), torch.ones(3, 4, device=device))
 
 
-def test_y_that_is_a_carry_only_annotated_with_a_sharding_is_not_refused(device, mesh_1d):
+def test_y_that_is_a_carry_only_annotated_with_a_sharding_is_not_refused(device, mesh):
     import torch_xla.distributed.spmd as xs
 
     def fn(c, x):
-        xs.mark_sharding(c, mesh_1d, ("fsdp",))  # changes c's graph, writes nothing
+        xs.mark_sharding(c, mesh, ("fsdp",))  # changes c's graph, writes nothing
         return c + x, c
 
     carry, ys = txe.scan(fn, torch.zeros(8, device=device), torch.ones(3, 8, device=device))

@@ -21,16 +21,16 @@ def spec(t: torch.Tensor) -> str:
     return X._get_xla_sharding_spec(t)
 
 
-def test_spmd_1d_forward_backward_without_host_transfers(device, mesh_1d):
+def test_spmd_1d_forward_backward_without_host_transfers(device, mesh):
     L, D = 4, 64
     ws = torch.randn(L, D, D).to(device) / D**0.5
-    xs.mark_sharding(ws, mesh_1d, (None, "fsdp", None))
+    xs.mark_sharding(ws, mesh, (None, "fsdp", None))
     ws.requires_grad_()
     emb = torch.randn(D, D).to(device)
-    xs.mark_sharding(emb, mesh_1d, ("fsdp", None))
+    xs.mark_sharding(emb, mesh, ("fsdp", None))
     emb.requires_grad_()
     h0 = torch.randn(16, D).to(device)
-    xs.mark_sharding(h0, mesh_1d, ("fsdp", None))
+    xs.mark_sharding(h0, mesh, ("fsdp", None))
     torch_xla.sync()
 
     def layer(h, w):
@@ -85,13 +85,13 @@ def test_spmd_2d_shardings_and_mark_sharding_inside_fn(device, mesh_4x2):
     assert_close_derived(h0.grad, h_c.grad, 3 * D * 8)
 
 
-def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh_1d):
+def test_scan_layers_keeps_shardings_and_moves_nothing_to_host(device, mesh):
     layers = make_blocks(3, dim=32, hidden=64).to(device)
     for layer in layers:
-        xs.mark_sharding(layer.up.weight, mesh_1d, ("fsdp", None))
-        xs.mark_sharding(layer.down.weight, mesh_1d, (None, "fsdp"))
+        xs.mark_sharding(layer.up.weight, mesh, ("fsdp", None))
+        xs.mark_sharding(layer.down.weight, mesh, (None, "fsdp"))
     x = torch.randn(8, 32).to(device)
-    xs.mark_sharding(x, mesh_1d, ("fsdp", None))
+    xs.mark_sharding(x, mesh, ("fsdp", None))
     torch_xla.sync()
     with measure_transfers() as m:
         with txe.no_host_transfers():
@@ -136,16 +136,16 @@ def test_scan_layers_on_a_2d_mesh_matches_the_plain_loop(device, mesh_4x2):
         assert_close_derived(p.grad, p_ref.grad, 3 * (16 + 32) * 8, msg=name)
 
 
-def test_training_steps_after_the_first_do_not_recompile(device, mesh_1d):
+def test_training_steps_after_the_first_do_not_recompile(device, mesh):
     """Unannotated parameters read '' before their first execution and '{replicated}' after it."""
     layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2)).to(device)
     for layer in layers:
-        xs.mark_sharding(layer.weight, mesh_1d, ("fsdp", None))  # biases stay unannotated
+        xs.mark_sharding(layer.weight, mesh, ("fsdp", None))  # biases stay unannotated
     x = torch.randn(8, 16)
     for step in range(3):
         with txe.no_recompiles() if step else contextlib.nullcontext():  # only the first step compiles
             layers.zero_grad(set_to_none=True)
             xd = x.to(device)
-            xs.mark_sharding(xd, mesh_1d, ("fsdp", None))
+            xs.mark_sharding(xd, mesh, ("fsdp", None))
             txe.scan_layers(layers, xd).sum().backward()
             torch_xla.sync()

@@ -67,7 +67,7 @@ def _stacking_profile(layers, x) -> tuple[int, int, int]:
     return ops.count("concatenate"), ops.count("slice"), ops.count("constant")
 
 
-def test_scan_layers_stacking_does_not_grow_with_depth(device, mesh_1d):
+def test_scan_layers_stacking_does_not_grow_with_depth(device, mesh):
     # Handing gradients back with one constant-offset slice per layer makes
     # XLA generate a kernel per layer: compile time grows with the depth. The
     # offsets are runtime operands, and stacking is one concatenate per
@@ -76,7 +76,7 @@ def test_scan_layers_stacking_does_not_grow_with_depth(device, mesh_1d):
     for n in (2, 5):
         layers = make_blocks(n).to(device)
         for layer in layers:
-            xs.mark_sharding(layer.up.weight, mesh_1d, ("fsdp", None))
+            xs.mark_sharding(layer.up.weight, mesh, ("fsdp", None))
         profiles[n] = _stacking_profile(layers, torch.randn(4, 16).to(device))
     concatenates, slices, constants = profiles[5]
     assert slices == 0, profiles
@@ -95,7 +95,7 @@ def test_scan_layers_reuses_its_trace(device):
     assert after.traces == before.traces and after.hits == before.hits + 1
 
 
-def test_scan_layers_rejects_heterogeneous_layers(device, mesh_1d):
+def test_scan_layers_rejects_heterogeneous_layers(device, mesh):
     layers = make_blocks(3).to(device)
     x = torch.randn(2, 16).to(device)
     mixed = [layers[0], torch.nn.Linear(16, 16).to(device)]
@@ -104,7 +104,7 @@ def test_scan_layers_rejects_heterogeneous_layers(device, mesh_1d):
     wide = make_blocks(1, hidden=48).to(device)[0]
     with pytest.raises(ValueError, match=r"layers\[2\].up.weight has shape \(48, 16\)"):
         txe.scan_layers([layers[0], layers[1], wide], x)
-    xs.mark_sharding(layers[1].up.weight, mesh_1d, ("fsdp", None))
+    xs.mark_sharding(layers[1].up.weight, mesh, ("fsdp", None))
     with pytest.raises(ValueError, match=r"layers\[1\].up.weight has sharding"):
         txe.scan_layers(layers, x)
     assert txe.scan_layers([], x) is x

@@ -36,9 +36,9 @@ def _stacked_copy(device, mesh=None):
     return plain, stacked
 
 
-def test_scan_and_loop_over_stacked_layers_match_the_per_layer_scan_and_cpu(device, mesh_1d):
+def test_scan_and_loop_over_stacked_layers_match_the_per_layer_scan_and_cpu(device, mesh):
     cpu = make_blocks(L, D, H)
-    plain, stacked = _stacked_copy(device, mesh_1d)
+    plain, stacked = _stacked_copy(device, mesh)
     x = torch.randn(B, D)
     out_plain = txe.scan_layers(plain, x.to(device))
     out_stacked = txe.scan_layers(stacked, x.to(device))
@@ -82,8 +82,8 @@ def test_an_optimizer_step_on_the_stacked_parameters_is_what_every_layer_reads(d
                                rtol=1e-5, atol=1e-5)
 
 
-def test_the_scan_reads_the_stacked_parameters_without_stacking_or_moving_anything(device, mesh_1d):
-    _, stacked = _stacked_copy(device, mesh_1d)
+def test_the_scan_reads_the_stacked_parameters_without_stacking_or_moving_anything(device, mesh):
+    _, stacked = _stacked_copy(device, mesh)
     x = torch.randn(B, D).to(device)
     torch_xla.sync()
     with measure_transfers() as moved:
@@ -172,8 +172,8 @@ def test_a_load_that_raised_midway_does_not_make_a_later_single_layer_load_skip_
     assert torch.equal(stacked[2].up.weight.cpu(), torch.full((H, D), 5.0))
 
 
-def test_load_state_dict_from_a_per_layer_checkpoint_keeps_the_sharding(device, mesh_1d):
-    _, stacked = _stacked_copy(device, mesh_1d)
+def test_load_state_dict_from_a_per_layer_checkpoint_keeps_the_sharding(device, mesh):
+    _, stacked = _stacked_copy(device, mesh)
     source = make_blocks(L, D, H, seed=3)
     spec = X._get_xla_sharding_spec(stacked.get_parameter("up/weight"))
     with measure_transfers() as moved:
@@ -213,7 +213,7 @@ def test_deepcopy_gives_an_independent_stacked_model(device):
     torch.testing.assert_close(txe.scan_layers(twin, x).cpu(), h.cpu(), rtol=1e-5, atol=1e-5)
 
 
-def test_fully_shard_shards_a_stacked_parameter_on_a_layer_dim_and_trains_like_per_layer(device, mesh_1d):
+def test_fully_shard_shards_a_stacked_parameter_on_a_layer_dim_and_trains_like_per_layer(device, mesh):
     class Net(torch.nn.Module):
         def __init__(self, layers):
             super().__init__()
@@ -228,8 +228,8 @@ def test_fully_shard_shards_a_stacked_parameter_on_a_layer_dim_and_trains_like_p
     nets = [Net(plain), Net(stacked)]
     for net in nets:
         for layer in net.layers:
-            fully_shard(layer, mesh=mesh_1d)
-        fully_shard(net, mesh=mesh_1d)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
     weight = stacked.get_parameter("up/weight")  # [8, 32, 16]
     assert X._get_xla_sharding_spec(weight).startswith("{devices=[1,8,1]")
     assert X._get_xla_sharding_spec(stacked.get_parameter("up/bias")).startswith("{devices=[1,8]")
@@ -261,7 +261,7 @@ def test_fully_shard_shards_a_stacked_parameter_on_a_layer_dim_and_trains_like_p
     assert torch.equal(stacked[7].up.weight.cpu(), torch.full((H, D), 0.5))
 
 
-def test_bad_stacks_are_refused_before_anything_changes(device):
+def test_bad_stacks_are_refused_before_anything_changes(device, mesh):
     with pytest.raises(txe.ScanInputError, match="must be an nn.ModuleList"):
         txe.stack_layers([torch.nn.Linear(2, 2)])
     with pytest.raises(txe.ScanInputError, match="empty"):
@@ -279,7 +279,7 @@ def test_bad_stacks_are_refused_before_anything_changes(device):
         txe.stack_layers(on_cpu)
     sharded = make_blocks(2, D, H).to(device)
     for layer in sharded:
-        fully_shard(layer, mesh=xs.Mesh(np.arange(8), (8,), ("fsdp",)))
+        fully_shard(layer, mesh=mesh)
     with pytest.raises(txe.ScanInputError, match="before fully_shard"):
         txe.stack_layers(sharded)
     done = make_blocks(2, D, H).to(device)

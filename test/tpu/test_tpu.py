@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch_xla.distributed.spmd as xs
@@ -23,12 +22,6 @@ from torch_xla_ext.tpu import _client as _tpu_client
 from torch_xla_ext.testing import measure_transfers
 
 _GIB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def mesh(num_devices):
-    assert num_devices == 8
-    return xs.Mesh(np.arange(8), (8,), ("fsdp",))
 
 
 def _two_linear_step(device, mesh, width: int = 1024, batch: int = 64):
