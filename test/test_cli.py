@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import torch
 import torch_xla
@@ -14,16 +12,13 @@ import torch_xla_ext as txe
 from torch_xla_ext.cli.main import main
 from torch_xla_ext._cpu_threads import _cores
 
+from child_process import run_child
+
 
 def test_demo_runs_on_default_cpu_devices():
     # Unset as for a user who chose nothing (importing torch_xla here set TF_CPP_MIN_LOG_LEVEL=1).
-    unset = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "PJRT_NPROC", "TF_CPP_MIN_LOG_LEVEL")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch_xla_ext", "demo", "--layers", "2", "--width", "64", "--steps", "2"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_child(["-m", "torch_xla_ext", "demo", "--layers", "2", "--width", "64", "--steps", "2"], devices=None,
+                     unset=("PJRT_DEVICE", "CPU_NUM_DEVICES", "PJRT_NPROC", "TF_CPP_MIN_LOG_LEVEL"))
     # XLA's C++ warnings are hidden by default (one per SPMD compilation otherwise).
     assert "GSPMD sharding propagation" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     out = proc.stdout

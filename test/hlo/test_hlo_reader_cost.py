@@ -8,6 +8,7 @@ import time
 from torch_xla_ext import _C
 from torch_xla_ext.hlo import read_hlo
 
+from child_process import run_child
 from hlo_encoding import (F32, TUPLE, _expect_parse_error, analysis_module, attrs, computation, f_int, f_len, f_msg, f_packed,
                           f_str, instruction, module, op_sharding, shape)
 from hlo_graphs import g_matmul, g_tuple_outputs, g_while, lower
@@ -43,15 +44,9 @@ print(result)
 def _peak_rss_of_read(tmp_path, data: bytes) -> tuple[int, str]:
     """Peak RSS growth (bytes) of reading `data` with the C++ reader alone, in
     a fresh process that loads only the extension (no torch), and the outcome."""
-    import subprocess
-    import sys
-
     path = tmp_path / "input.pb"
     path.write_bytes(data)
-    out = subprocess.run(
-        [sys.executable, "-c", _PEAK_RSS_SCRIPT, _C.__file__, str(path)],
-        check=True, capture_output=True, text=True, timeout=300,
-    ).stdout.splitlines()
+    out = run_child(["-c", _PEAK_RSS_SCRIPT, _C.__file__, str(path)], devices=None, timeout=300).stdout.splitlines()
     return int(out[0]), "\n".join(out[1:])
 
 

@@ -3,11 +3,8 @@ and no all-gather of a batch-sharded activation in the partitioned program."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +15,8 @@ import torch_xla
 import torch_xla_ext as txe
 from torch_xla_ext._partitionable import layer_norm, partitionable_ops
 from torch_xla_ext.testing.tolerances import tolerance
+
+from child_process import run_child
 
 X_SHAPE = (3, 5, 4, 8)
 
@@ -203,10 +202,8 @@ def test_partitioned_layer_norms_gather_weights_but_never_the_batch_sharded_acti
     # The batch-norm lowering made GSPMD all-gather the whole [8, 16, 32] activation
     # (as f32[1,128,32]) before each LayerNorm and its gradient; only [32, 32]
     # weights may be gathered now. XLA reads its dump flags at start-up: a child process.
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE")
-    subprocess.run([sys.executable, "-c", _PARTITIONED, how], env=env, check=True, capture_output=True,
-                   timeout=300)
+    run_child(["-c", _PARTITIONED, how], timeout=300, env=dict(
+        TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE"))
     programs = sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     assert programs, "XLA dumped no optimized program"
     text = programs[-1].read_text()

@@ -3,11 +3,8 @@ anything; the guard does not depend on the SPMD partition."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +16,7 @@ from torch_xla_ext._scan.backend import CPU_CODEGEN_ENV, cpu_codegen, forced_cpu
 from torch_xla_ext.scan import clear_scan_cache
 from torch_xla_ext.testing import measure_transfers
 
+from child_process import run_child
 from scan_reference import assert_close_derived
 
 X = torch_xla._XLAC
@@ -114,9 +112,8 @@ def test_the_guard_of_a_batch_sharded_read_does_not_depend_on_the_partition(tmp_
     # out of the loop as an s32[2,32] table the loop carried and read every
     # iteration. Along the last (unsharded) dim it is the same on every device and
     # stays inside the loop body. XLA reads its dump flags at start-up: a child process.
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE")
-    subprocess.run([sys.executable, "-c", _PARTITIONED_SCAN], env=env, check=True, capture_output=True, timeout=300)
+    run_child(["-c", _PARTITIONED_SCAN], timeout=300, env=dict(
+        TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE"))
     programs = sorted(pathlib.Path(tmp_path).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     assert programs, "XLA dumped no optimized program"
     loops = re.findall(r"= \(([^=]*)\) while\(", programs[-1].read_text())

@@ -10,10 +10,7 @@ and then still compute correctly. The rest run here.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -24,6 +21,7 @@ import torch_xla.core.xla_model as xm
 
 import torch_xla_ext as txe
 
+from child_process import run_surviving
 from scan_reference import python_scan
 
 _CHILD = textwrap.dedent('''
@@ -74,7 +72,7 @@ _CHILD = textwrap.dedent('''
                 torch_xla.sync()
                 print(name, grad, "not refused", c.cpu().tolist(), flush=True)
             except txe.ScanUnsupportedError as error:
-                print(name, grad, "refused", "test_child.py" in str(error) or "<string>" in str(error), flush=True)
+                print(name, grad, "refused", "child.py" in str(error) or "<string>" in str(error), flush=True)
             torch_xla.sync()  # with what fn kept still alive
             kept.clear()
             gc.collect()
@@ -85,19 +83,15 @@ _CHILD = textwrap.dedent('''
 
 
 def test_host_reads_kept_tensors_and_nested_scans_are_refused_and_the_process_survives(tmp_path):
-    script = tmp_path / "test_child.py"
-    script.write_text(_CHILD)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
     for _ in range(2):  # a crash could be intermittent: run the whole sequence twice
-        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"child died with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-        lines = [line.split() for line in proc.stdout.splitlines() if line.startswith(("f_", "alive"))]
+        out = run_surviving(tmp_path, _CHILD)
+        lines = [line.split() for line in out.splitlines() if line.startswith(("f_", "alive"))]
         results = {(w[0], w[1]): w[2:] for w in lines if w[0].startswith("f_")}
-        assert len(results) == 2 * 13, proc.stdout
+        assert len(results) == 2 * 13, out
         for (name, grad), rest in results.items():
             # Refused, naming the script's line (the user's code), in both modes.
-            assert rest == ["refused", "True"], f"{name} grad={grad}: {rest}\n{proc.stdout}"
-        assert lines[-1] == ["alive", "[3.0,", "3.0,", "3.0,", "3.0]", "True"], proc.stdout
+            assert rest == ["refused", "True"], f"{name} grad={grad}: {rest}\n{out}"
+        assert lines[-1] == ["alive", "[3.0,", "3.0,", "3.0,", "3.0]", "True"], out
 
 
 _CHILD_AFTER_TRACE = textwrap.dedent('''
@@ -142,15 +136,11 @@ def test_tensors_kept_by_a_trace_refused_after_it_ran_are_neutralized_too(tmp_pa
     # The first layer's trace succeeds and keeps a tensor; the second layer's trace (another attribute
     # value) is refused. Before every refusal neutralized what all traces of the call kept, the first
     # layer's kept tensor reached the next sync and killed the process (exit 139).
-    script = tmp_path / "test_child.py"
-    script.write_text(_CHILD_AFTER_TRACE)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"child died with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-        assert proc.stdout.splitlines() == [
+        out = run_surviving(tmp_path, _CHILD_AFTER_TRACE)
+        assert out.splitlines() == [
             "case False refused ScanUnsupportedError", "kept False 2 True",
-            "case True refused ScanUnsupportedError", "kept True 2 True", "alive True"], proc.stdout
+            "case True refused ScanUnsupportedError", "kept True 2 True", "alive True"], out
 
 
 def test_a_refusal_names_the_user_line_and_switches_execution_back_on(device):
@@ -279,13 +269,9 @@ _FIRST_MARK_SHARDING = textwrap.dedent('''
 
 def test_a_module_imported_while_tracing_is_not_taken_for_a_host_draw(tmp_path):
     # In a fresh process: in this one jax is imported already.
-    script = tmp_path / "first_mark_sharding.py"
-    script.write_text(_FIRST_MARK_SHARDING)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    out = run_surviving(tmp_path, _FIRST_MARK_SHARDING)
     # The scan ran, and the first trace's draws (the import's) were undone before the second trace.
-    assert "ok True True" in proc.stdout, proc.stdout
+    assert "ok True True" in out, out
 
 
 def test_fn_changing_the_python_state_it_computes_with_is_refused(device):

@@ -11,14 +11,11 @@ device count per process; placeholders must never be executed).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from child_process import run_surviving
+from child_process import run_child, run_surviving
 
 pytest.importorskip("libtpu")
 
@@ -44,9 +41,7 @@ def _steps(devices: int, calls: list[dict]) -> list[dict]:
         print("placeholders left:", len(_placeholders._marked), flush=True)
         os._exit(0)
     """)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_child(["-c", source], devices=devices, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert "placeholders left: 0" in proc.stdout  # each shape-only step's model, and its graph, went with it
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -112,10 +107,9 @@ def test_a_shape_only_step_that_raised_leaves_nothing_that_a_later_sync_would_ex
 
 def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
     png = tmp_path / "fit.png"
-    proc = subprocess.run([sys.executable, "-m", "torch_xla_ext", "tpu-fit", "--config", config_file,
-                           "--topology", "v5e:2x2", "--batch", "4", "--seq", "32", "--paths", "scan+nothing_saveable",
-                           "--png", str(png)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_child(["-m", "torch_xla_ext", "tpu-fit", "--config", config_file, "--topology", "v5e:2x2",
+                      "--batch", "4", "--seq", "32", "--paths", "scan+nothing_saveable", "--png", str(png)],
+                     devices=None)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("v5e:2x2: 4 chips x 16.0 GiB HBM; batch 4 x 32 tokens;")
     row = next(line for line in lines if line.startswith("scan+nothing_saveable"))
