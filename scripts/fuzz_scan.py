@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     xr.use_spmd()
     device = torch_xla.device()
     torch.zeros(1, device=device)  # before any CPU backward (see DESIGN.md)
-    from scan_programs import check, draw
+    from scan_program_checks import check
+    from scan_programs import draw
 
     features: collections.Counter[str] = collections.Counter()
     totals: collections.Counter[str] = collections.Counter()

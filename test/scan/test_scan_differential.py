@@ -14,7 +14,8 @@ import dataclasses
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from scan_programs import check, draw
+from scan_program_checks import check
+from scan_programs import draw
 
 
 @settings(derandomize=True, max_examples=16, deadline=None, database=None,
