@@ -14,7 +14,8 @@ VOCAB = 128
 
 
 def tiny(kind: str) -> torch.nn.Module:
-    """A seeded tiny causal LM: ``llama``, ``gpt2`` (head tied to the embedding) or ``gemma2`` (interleaved)."""
+    """A seeded tiny causal LM: ``llama``, ``qwen2``, ``mistral`` (rotary, ``sdpa`` attention), ``gpt2`` (head
+    tied to the embedding) or ``gemma2`` (interleaved, ``eager`` attention)."""
     torch.manual_seed(0)
     if kind == "gpt2":
         config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
@@ -25,6 +26,16 @@ def tiny(kind: str) -> torch.nn.Module:
             hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
         return transformers.LlamaForCausalLM(config)
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
+        return transformers.Qwen2ForCausalLM(config)
+    if kind == "mistral":
+        config = transformers.MistralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=None)
+        return transformers.MistralForCausalLM(config)
     config = transformers.Gemma2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4, attn_implementation="eager")

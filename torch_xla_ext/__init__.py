@@ -8,6 +8,7 @@ costs nothing to test suites that do not use XLA.
 from __future__ import annotations
 
 from ._cpu_threads import widen_cpu_client_threads
+from ._sdpa_autocast import register_sdpa_autocast
 from .hlo import HloComputation, HloInstruction, HloModule, HloParameter, Shape, Sharding, read_hlo
 from .lowering import LoweringContext
 from .recompile_guard import RecompileError, no_recompiles
@@ -23,6 +24,7 @@ from .transfer_guard import (
 )
 
 widen_cpu_client_threads()  # before torch_xla's CPU client exists (see _cpu_threads)
+register_sdpa_autocast()  # the XLA autocast rule torch_xla lacks (see _sdpa_autocast)
 
 __version__ = "0.1.0"
 

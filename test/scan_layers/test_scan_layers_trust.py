@@ -271,16 +271,18 @@ def test_scan_layers_under_autocast_trains_like_the_loop(device):
 
 
 class _Attention(nn.Module):
-    """Self-attention through ``F.scaled_dot_product_attention``."""
+    """Self-attention through ``F.scaled_dot_product_attention``; ``mixed``: the value left in the autocast dtype."""
 
-    def __init__(self) -> None:
+    def __init__(self, mixed: bool = False) -> None:
         super().__init__()
         self.qkv = nn.Linear(16, 48)
         self.out = nn.Linear(16, 16)
+        self.mixed = mixed
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = (t.float().transpose(1, 2) for t in self.qkv(h).view(2, 4, 3, 2, 8).unbind(2))
-        o = F.scaled_dot_product_attention(q, k, v)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(h).view(2, 4, 3, 2, 8).unbind(2))
+        q, k = q.float(), k.float()
+        o = F.scaled_dot_product_attention(q, k, v if self.mixed else v.float())
         return h + self.out(o.transpose(1, 2).reshape(2, 4, 16)).float()
 
 
@@ -288,19 +290,25 @@ def _rms(t: torch.Tensor) -> float:
     return float(t.detach().float().square().mean().sqrt())
 
 
-def test_attention_under_autocast_is_refused_with_gradients_and_computed_as_eager_without(device):
-    # torch_xla has no autocast rule for scaled_dot_product_attention: eager casts its softmax up to float32,
-    # the trace capturing the backward would leave it in bfloat16 (before the refusal, the backward's HLO
-    # mixed the two and the verifier refused the step at the sync).
+@pytest.mark.parametrize("mixed", [False, True], ids=["float32_qkv", "bfloat16_value"])
+def test_attention_under_autocast_trains_like_the_loop(device, mixed):
+    # Before the package's XLA autocast rule for scaled_dot_product_attention, scan refused this with
+    # gradients: eager cast the softmax up to float32 op by op, and the trace that captures the backward
+    # decomposed the attention below autocast, leaving it in bfloat16. ``mixed``: a bfloat16 value beside
+    # float32 queries and keys, as a rotary model hands it (torch_xla alone fails on it, loop or scan).
     torch.manual_seed(0)
-    layers = nn.ModuleList(_Attention() for _ in range(3)).to(device)
+    layers = nn.ModuleList(_Attention(mixed) for _ in range(3)).to(device)
+    ref = copy.deepcopy(layers)
     h = torch.randn(2, 4, 16, device=device)
     with torch.autocast("xla", dtype=torch.bfloat16):
-        with pytest.raises(txe.ScanUnsupportedError, match="scaled_dot_product_attention under torch.autocast"):
-            txe.scan_layers(layers, h)
-        with torch.no_grad():
-            out, want = txe.scan_layers(layers, h), _loop(layers, h)
+        out, want = txe.scan_layers(layers, h), _loop(ref, h)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    # The same casts in the same places (the rule runs in the trace as in eager): XLA computes the same.
     torch.testing.assert_close(out.cpu(), want.cpu(), **tolerance(torch.bfloat16, 3 * 16, scale=_rms(want)))
+    for (name, p), q in zip(layers.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), **tolerance(torch.bfloat16, 3 * 16 * 8, scale=_rms(q.grad)),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 class _Float32Island(nn.Module):

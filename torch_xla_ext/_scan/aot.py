@@ -175,7 +175,7 @@ def split(primal_fn: Callable, args: Sequence[torch.Tensor], partition_fn: Calla
     callers = autocast.enabled()
 
     def forward_as_called(*primals):  # the backward AOTAutograd traces after it runs without autocast
-        with autocast.on(callers), autocast.refusing_what_it_would_change(callers):
+        with autocast.on(callers):
             return primal_fn(*primals)
 
     with (torch.enable_grad(), scan_step_trace(), _host_rng_left_alone(), autocast.off(),
