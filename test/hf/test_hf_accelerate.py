@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch_xla
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
@@ -35,7 +36,11 @@ def test_accelerate_loop_matches_the_cpu_loop_and_moves_nothing_per_step(mesh):
         cpu_optimizer.zero_grad()
         expected.append(loss.item())
 
+    # accelerate's state is one per process and outlives Accelerators: a Trainer with bf16=True earlier in this
+    # process would leave its autocast on for this one.
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator()
+    assert accelerator.mixed_precision == "no"
     assert accelerator.device.type == "xla"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(rows, batch_size=8, collate_fn=default_data_collator)

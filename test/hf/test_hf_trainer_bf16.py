@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
 from torch_xla_ext.testing.tolerances import tolerance
@@ -31,6 +32,13 @@ STEPS = 6
 #: Each step's loss within 8 eps of bfloat16 (relative) of the CPU's: the runs round differently in bfloat16
 #: and Adam carries that into the next steps (measured: at most 0.6% apart over the six steps).
 BF16 = tolerance(torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_state_reset():
+    """accelerate's state is one per process: a bf16 run's must not stay for the tests after it."""
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
