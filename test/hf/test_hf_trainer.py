@@ -40,3 +40,31 @@ def test_trainer_trains_an_interleaved_gemma2_as_on_the_cpu(tmp_path, mesh):
 def test_spmd_trainer_refuses_a_model_that_is_not_fully_sharded(tmp_path):
     with pytest.raises(TypeError, match="fully sharded"):
         SPMDTrainer(model=tiny("llama"), args=arguments(tmp_path))
+
+
+@pytest.mark.parametrize("name,value", [("torch_compile", True), ("deepspeed", "ds_config.json"), ("use_cpu", True),
+                                        ("fsdp", "full_shard")])
+def test_arguments_that_cannot_work_are_refused_naming_them(tmp_path, mesh, name, value):
+    # torch_compile=True used to die inside accelerate (KeyError: 'model.embed_tokens.weight').
+    args = arguments(tmp_path)
+    object.__setattr__(args, name, value)  # set after construction: deepspeed's would import deepspeed
+    model = prepare(tiny("llama"), mesh)
+    with pytest.raises(ValueError, match=rf"TrainingArguments\({name}="):
+        SPMDTrainer(model=model, args=args)
+
+
+def test_model_init_gives_the_trainer_its_model_and_is_checked(tmp_path, mesh):
+    made = []
+
+    def model_init():
+        made.append(prepare(tiny("llama"), mesh))
+        return made[-1]
+
+    trainer = SPMDTrainer(model_init=model_init, args=arguments(tmp_path, max_steps=2, save_strategy="no"),
+                          train_dataset=token_rows(16, 16))
+    trainer.train()  # Trainer calls model_init again here, for a fresh model
+    assert len(made) == 2 and trainer.model is made[-1] and trainer.state.global_step == 2
+    with pytest.raises(TypeError, match="model_init returned a LlamaForCausalLM that is not fully sharded"):
+        SPMDTrainer(model_init=lambda: tiny("llama"), args=arguments(tmp_path))
+    with pytest.raises(TypeError, match="pass model=.*or model_init="):
+        SPMDTrainer(args=arguments(tmp_path))

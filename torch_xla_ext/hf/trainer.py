@@ -35,7 +35,9 @@ copying logits to the host unless ``compute_metrics`` asks for them.
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,24 +64,60 @@ def _on_this_thread(loader: Any) -> Any:
     return inner
 
 
+#: ``TrainingArguments`` that cannot work with a fully sharded model on XLA SPMD: (argument, is it set, why).
+_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("fsdp", bool, "the model is fully sharded already; leave fsdp and fsdp_config unset"),
+    ("torch_compile", bool, "the lazy graph already compiles each whole step into one XLA program, and "
+                            "scan_layers does not run inside torch.compile; leave torch_compile=False"),
+    ("deepspeed", lambda value: value is not None, "DeepSpeed shards for CUDA processes; the model is sharded "
+                                                    "over the SPMD mesh already"),
+    ("use_cpu", bool, "the model lives on the XLA device (prepare put it there); for a CPU run use plain "
+                      "transformers.Trainer on an unprepared model"),
+)
+
+
+def _refuse_unsupported(args: transformers.TrainingArguments) -> None:
+    """ValueError naming the first argument of :data:`_UNSUPPORTED` that ``args`` sets, before Trainer starts."""
+    for name, is_set, why in _UNSUPPORTED:
+        if is_set(getattr(args, name, None)):
+            raise ValueError(f"SPMDTrainer: TrainingArguments({name}={getattr(args, name)!r}) is not supported: {why}")
+
+
 class SPMDTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose checkpoints neither gather nor copy whole tensors, for a fully sharded model.
 
-    Takes the arguments ``Trainer`` takes. ``model`` must be fully sharded
-    (:func:`torch_xla_ext.hf.prepare`, or ``fully_shard`` applied to it);
-    Trainer's own FSDP options (``fsdp=``, ``fsdp_config=``) are refused:
-    the model already is.
+    Takes the arguments ``Trainer`` takes. ``model`` (or what ``model_init``
+    returns) must be fully sharded (:func:`torch_xla_ext.hf.prepare`, or
+    ``fully_shard`` applied to it). Arguments that cannot work here raise
+    ``ValueError`` naming them before Trainer starts: Trainer's own FSDP
+    (``fsdp=``, ``fsdp_config=``; the model already is), ``torch_compile``,
+    ``deepspeed`` and ``use_cpu``.
+
+    Under single-process SPMD one process drives every device:
+    ``per_device_train_batch_size`` is the batch of the whole mesh (sharded
+    over it), not of one chip.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
                  *rest: Any, **kwargs: Any) -> None:
-        if not isinstance(model, FSDPModule):
+        given = inspect.signature(transformers.Trainer.__init__).bind(self, model, args, *rest, **kwargs).arguments
+        if model is None and given.get("model_init") is None:
+            raise TypeError("SPMDTrainer trains a fully sharded model: pass model=torch_xla_ext.hf.prepare(model, "
+                            "mesh), or model_init= a function that returns one")
+        if model is not None and not isinstance(model, FSDPModule):
             raise TypeError(f"SPMDTrainer trains a fully sharded model (torch_xla_ext.hf.prepare(model, mesh)); got "
-                            f"{type(model).__name__ if model is not None else None}")
-        if args is not None and args.fsdp:
-            raise ValueError("SPMDTrainer: the model is fully sharded already; leave TrainingArguments' fsdp and "
-                             "fsdp_config unset")
+                            f"{type(model).__name__}")
+        if args is not None:
+            _refuse_unsupported(args)
         super().__init__(model, args, *rest, **kwargs)
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """Trainer's ``model_init`` call (at construction and again at ``train()``), its model checked."""
+        model = super().call_model_init(trial)
+        if not isinstance(model, FSDPModule):
+            raise TypeError(f"SPMDTrainer: model_init returned a {type(model).__name__} that is not fully sharded; "
+                            f"return torch_xla_ext.hf.prepare(model, mesh) from it")
+        return model
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: transformers.TrainingArguments,
