@@ -11,11 +11,12 @@ Trainer's defaults, its checkpoints and its resume: ``test_hf_trainer_run.py``.
 from __future__ import annotations
 
 import pytest
+import torch_xla.debug.metrics as met
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
 
 from hf_tiny import arguments, tiny, token_rows
-from hf_trainer_helpers import StepCounts, cpu_reference, losses
+from hf_trainer_helpers import Counts, StepCounts, cpu_reference, losses
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -68,3 +69,31 @@ def test_model_init_gives_the_trainer_its_model_and_is_checked(tmp_path, mesh):
         SPMDTrainer(model_init=lambda: tiny("llama"), args=arguments(tmp_path))
     with pytest.raises(TypeError, match="pass model=.*or model_init="):
         SPMDTrainer(args=arguments(tmp_path))
+
+
+class _LoggedStepCounts(SPMDTrainer):
+    """Counts what each of Trainer's log / save / evaluate points moved, compiled and executed."""
+
+    windows: list
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        before, runs = Counts.now(), int(met.counter_value("ExecuteReplicated") or 0)
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        self.windows.append((Counts.now() - before, int(met.counter_value("ExecuteReplicated") or 0) - runs))
+
+
+def test_a_logged_step_reads_the_loss_and_the_gradient_norm_and_nothing_else(tmp_path, mesh):
+    # Trainer averaged the logged loss over processes with xm.mesh_reduce: 8 reads, 2 uploads and 4 compiles
+    # at the first logged step, 8 reads at each later one. Under SPMD the loss is the global one already.
+    trainer = _LoggedStepCounts(model=prepare(tiny("llama"), mesh), train_dataset=token_rows(48, 16),
+                                args=arguments(tmp_path, max_steps=6, logging_steps=2, save_strategy="no"))
+    trainer.windows = []
+    trainer.train()
+    logged = [trainer.windows[i] for i in (1, 3, 5)]  # steps 2, 4, 6
+    assert [(c.d2h, c.d2h_bytes) for c, _ in logged] == [(2, 8)] * 3, logged  # two float32 scalars
+    # Each read is of a replicated scalar: torch_xla counts a ReplicateShardedData for it and hands over one
+    # device's copy; a gather would run a program of its own. The one program run is Trainer's sync.
+    assert [runs for _, runs in logged] == [1] * 3, logged
+    assert logged[0][0].compiles <= 1 and [c.compiles for c, _ in logged[1:]] == [0, 0], logged
+    assert [c.d2h for c, _ in (trainer.windows[i] for i in (0, 2, 4))] == [0] * 3  # steps not logged read nothing
+    assert len(losses(trainer)) == 3

@@ -20,6 +20,11 @@ told through its arguments:
   (``RuntimeError: fused=True requires ... devices``); the same AdamW runs
   unfused here (the same update, rounded as XLA rounds).
 
+* **A logged step reads the loss and the gradient norm, nothing else.**
+  Trainer averages the logged loss over processes through
+  ``xm.mesh_reduce`` (a rendezvous: 7 reads and 2 uploads per logged step);
+  under SPMD the loss is already the global one (``_logged_loss``).
+
 * **Evaluation weighs each batch by its rows.** On XLA accelerate hands
   Trainer its loader inside torch_xla's ``MpDeviceLoader``, whose thread
   runs ahead of Trainer; the loader left accelerate's state before Trainer
@@ -45,6 +50,7 @@ import transformers
 
 from ..distributed import FSDPModule
 from ..distributed.checkpoint import load_sharded, save_sharded
+from ._logged_loss import spmd_loss_gather
 
 __all__ = ["SHARDED_CHECKPOINT_DIR", "SPMDTrainer"]
 
@@ -127,6 +133,11 @@ class SPMDTrainer(transformers.Trainer):
         if kwargs.get("fused"):
             kwargs = {**kwargs, "fused": False}
         return cls, kwargs
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """Trainer's logging, saving and evaluation; the logged loss read without a gather (``_logged_loss``)."""
+        with spmd_loss_gather():
+            super()._maybe_log_save_evaluate(*args, **kwargs)
 
     # ---- evaluation ----
 
