@@ -59,3 +59,36 @@ def arguments(output_dir, **overrides) -> transformers.TrainingArguments:
     values = dict(output_dir=str(output_dir), report_to="none", disable_tqdm=True, learning_rate=1e-2, seed=3)
     values.update(overrides)
     return transformers.TrainingArguments(**values)
+
+
+def ragged_rows(count: int, lengths: tuple[int, ...], seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Rows of unpadded token ids, their lengths cycling through ``lengths``, as a tokenized dataset gives them."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(count):
+        ids = torch.randint(0, VOCAB, (lengths[i % len(lengths)],), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding as transformers' and TRL's collators do it: each batch to its longest row, on the right."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": [], "attention_mask": [], "labels": []}
+    for r in rows:
+        extra = longest - len(r["input_ids"])
+        batch["input_ids"].append(torch.nn.functional.pad(r["input_ids"], (0, extra), value=0))
+        batch["attention_mask"].append(torch.nn.functional.pad(torch.ones_like(r["input_ids"]), (0, extra), value=0))
+        batch["labels"].append(torch.nn.functional.pad(r["labels"], (0, extra), value=-100))
+    return {k: torch.stack(v) for k, v in batch.items()}
+
+
+class InOrder(torch.utils.data.IterableDataset):
+    """``rows`` in their order: Trainer does not shuffle an iterable dataset, so batch k is rows 8k..8k+7."""
+
+    def __init__(self, rows: list) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+

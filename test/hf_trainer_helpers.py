@@ -29,10 +29,12 @@ import sys
 sys.modules["torch_xla"] = None  # as on a machine without it: Trainer then runs on the CPU
 sys.path.insert(0, sys.argv[1])
 import torch, transformers
+import hf_tiny
 from hf_tiny import arguments, tiny
 job = torch.load(sys.argv[2], weights_only=False)
 args = arguments(job["out"], use_cpu=True, optim="adamw_torch", **job["overrides"])
-trainer = transformers.Trainer(model=tiny(job["kind"]), args=args, train_dataset=job["train"])
+collator = getattr(hf_tiny, job["collator"]) if job["collator"] else None
+trainer = transformers.Trainer(model=tiny(job["kind"]), args=args, train_dataset=job["train"], data_collator=collator)
 trainer.train()
 assert trainer.args.device.type == "cpu" and next(trainer.model.parameters()).device.type == "cpu"
 torch.save({"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
@@ -43,17 +45,17 @@ torch.save({"losses": [e["loss"] for e in trainer.state.log_history if "loss" in
 
 
 def cpu_reference(kind: str, output_dir: pathlib.Path, train: list, *, evaluate: tuple = (),
-                  predict: list | None = None, **overrides) -> CPUReference:
+                  predict: list | None = None, collator: str | None = None, **overrides) -> CPUReference:
     """The same model trained by plain ``transformers.Trainer`` on the CPU, with the AdamW our run uses.
 
     It runs in a child process that cannot import torch_xla: in this one
     ``use_cpu=True`` still runs on the XLA device, and accelerate's state is
-    shared by every Trainer of the process.
+    shared by every Trainer of the process. ``collator``: the name of a collator in ``hf_tiny``.
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     job, result = output_dir / "job.pt", output_dir / "reference.pt"
     torch.save({"kind": kind, "out": str(output_dir), "train": train, "evaluate": list(evaluate), "predict": predict,
-                "overrides": overrides}, job)
+                "collator": collator, "overrides": overrides}, job)
     run_surviving(output_dir, _CPU_REFERENCE, str(pathlib.Path(__file__).parent), str(job), str(result))
     return CPUReference(**torch.load(result, weights_only=False))
 

@@ -50,6 +50,7 @@ import transformers
 
 from ..distributed import FSDPModule
 from ..distributed.checkpoint import load_sharded, save_sharded
+from ._buckets import DEFAULT_MULTIPLE, BucketPadding, CollatorErrors, ShapeWatch
 from ._logged_loss import spmd_loss_gather
 
 __all__ = ["SHARDED_CHECKPOINT_DIR", "SPMDTrainer"]
@@ -99,13 +100,23 @@ class SPMDTrainer(transformers.Trainer):
     (``fsdp=``, ``fsdp_config=``; the model already is), ``torch_compile``,
     ``deepspeed`` and ``use_cpu``.
 
+    ``pad_to_multiple_of`` (default 64; None: off): each training batch's
+    ``[batch, seq]`` columns padded on the right to a multiple of it (labels
+    with -100, so the loss is the unpadded batch's), so dynamic padding and
+    packing compile one step program per bucket, not per length; a new
+    shape after the first two steps warns once, naming it.
+
     Under single-process SPMD one process drives every device:
     ``per_device_train_batch_size`` is the batch of the whole mesh (sharded
     over it), not of one chip.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
-                 *rest: Any, **kwargs: Any) -> None:
+                 *rest: Any, pad_to_multiple_of: int | None = DEFAULT_MULTIPLE, **kwargs: Any) -> None:
+        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int)
+                                               or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1):
+            raise ValueError(f"SPMDTrainer: pad_to_multiple_of must be a positive int or None, got "
+                             f"{pad_to_multiple_of!r}")
         given = inspect.signature(transformers.Trainer.__init__).bind(self, model, args, *rest, **kwargs).arguments
         if model is None and given.get("model_init") is None:
             raise TypeError("SPMDTrainer trains a fully sharded model: pass model=torch_xla_ext.hf.prepare(model, "
@@ -116,6 +127,9 @@ class SPMDTrainer(transformers.Trainer):
         if args is not None:
             _refuse_unsupported(args)
         super().__init__(model, args, *rest, **kwargs)
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self._shapes = ShapeWatch(warm_up=2, multiple=pad_to_multiple_of)
+        self._collator_errors = CollatorErrors(None)
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """Trainer's ``model_init`` call (at construction and again at ``train()``), its model checked."""
@@ -133,6 +147,34 @@ class SPMDTrainer(transformers.Trainer):
         if kwargs.get("fused"):
             kwargs = {**kwargs, "fused": False}
         return cls, kwargs
+
+    # ---- training batches ----
+
+    def get_train_dataloader(self) -> Any:
+        """Trainer's loader, its batches padded to a multiple of ``pad_to_multiple_of`` (``_buckets``), and the
+        collator's errors kept for this thread (:class:`~._buckets.CollatorErrors`)."""
+        collator = self.data_collator
+        if self.pad_to_multiple_of is not None:
+            config = getattr(self.model, "config", None)
+            causal = type(self.model).__name__.endswith("ForCausalLM") or bool(getattr(config, "is_decoder", False))
+            collator = BucketPadding(collator, self.pad_to_multiple_of, getattr(config, "pad_token_id", None), causal)
+        self._collator_errors = CollatorErrors(collator)
+        original, self.data_collator = self.data_collator, self._collator_errors
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = original
+
+    def training_step(self, model: torch.nn.Module, inputs: dict, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._collator_errors.raise_if_any()
+        self._shapes.step(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``; a collator error on the loader's thread is raised here, not lost with it."""
+        result = super().train(*args, **kwargs)
+        self._collator_errors.raise_if_any()
+        return result
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         """Trainer's logging, saving and evaluation; the logged loss read without a gather (``_logged_loss``)."""
