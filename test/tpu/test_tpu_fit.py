@@ -11,6 +11,7 @@ device count per process; placeholders must never be executed).
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -115,7 +116,10 @@ def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
     row = next(line for line in lines if line.startswith("scan+nothing_saveable"))
     assert row.split()[1] == "yes" and "reduce-scatter" in row
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert proc.stderr.strip() == ""  # no log spam
+    # Progress on stderr (not a terminal here: a line per phase), and nothing else (no log spam).
+    phases = [re.sub(r" \(\d+ s\)$", "", line) for line in proc.stderr.splitlines()]
+    assert phases == [f"[1/1] scan+nothing_saveable: {phase}" for phase in
+                      ("starting", "building the model", "lowering the step", "compiling for v5e:2x2", "done")], proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -191,3 +195,21 @@ def test_a_config_is_a_model_type_a_json_file_or_a_folder(tmp_path, config_file)
         load_config(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="cannot read the config file"):
         load_config(str(tmp_path / "missing.json"))
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten_at_most_once_a_second():
+    import io
+
+    from torch_xla_ext.cli.tpu_fit import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = Progress(["loop", "scan"], stream)
+    for seconds in (0.0, 0.2, 0.4, 1.1):
+        progress("loop", "lowering the step", seconds)
+    progress("loop", "done", 1.3)
+    assert stream.getvalue() == ("\r\033[K[1/2] loop: lowering the step (0 s)\r\033[K[1/2] loop: lowering the step (1 s)"
+                                 "\r\033[K[1/2] loop: done (1 s)\n")

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     limit = None if args.max_host_gb is None else int(args.max_host_gb * 2**30)
     try:
         reports = fit(args.config, args.topology, batch=args.batch, seq=args.seq, paths=paths,
-                      timeout=args.timeout, max_host_bytes=limit)
+                      timeout=args.timeout, max_host_bytes=limit, progress=Progress(paths, sys.stderr))
     except (ValueError, TypeError, TpuUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -59,6 +59,29 @@ def run(args: argparse.Namespace) -> int:
         write_png(reports, args.png)
         print(f"wrote {args.png}")
     return 0 if all(r.error is None for r in reports) else 1
+
+
+class Progress:
+    """``fit``'s progress on ``stream``: on a terminal one line rewritten in place (path, phase, seconds), else a
+    line each time a path enters a phase."""
+
+    def __init__(self, paths: Sequence[str], stream) -> None:
+        self.paths, self.stream = list(paths), stream
+        self.live = stream.isatty()
+        self.last: tuple[str, str] | None = None
+        self.shown = -1.0
+
+    def __call__(self, path: str, phase: str, seconds: float) -> None:
+        where = f"[{self.paths.index(path) + 1}/{len(self.paths)}] {path}: {phase}"
+        finished = phase in ("done", "failed")
+        if self.live:
+            if (path, phase) == self.last and seconds - self.shown < 1.0 and not finished:
+                return
+            self.stream.write(f"\r\033[K{where} ({seconds:.0f} s)" + ("\n" if finished else ""))
+        elif (path, phase) != self.last:
+            self.stream.write(f"{where} ({seconds:.0f} s)\n")
+        self.stream.flush()
+        self.last, self.shown = (path, phase), seconds
 
 
 def report_table(reports: Sequence) -> str:

@@ -14,6 +14,11 @@ from typing import Any
 
 __all__ = ["FitReport", "PATHS", "DEFAULT_PATHS", "load_config", "parse_path", "lowering_devices"]
 
+#: Set to ``1`` by ``fit`` in a child's environment: the child then prints each phase it starts on stdout,
+#: a line ``PHASE_MARK name``, for the parent's progress.
+PHASES_ENV = "TORCH_XLA_EXT_FIT_PHASES"
+PHASE_MARK = "tpu-fit-phase:"
+
 #: The paths ``fit`` knows: ``loop`` (the layers run one after another) or
 #: ``scan`` (one ``scan_layers`` loop), a scan's remat policy after ``+``,
 #: and ``+bf16`` for bf16 compute over fp32 parameters and optimizer state

@@ -20,7 +20,7 @@ import traceback
 import warnings
 from typing import Any
 
-from ._fit_request import FitReport, load_config, parse_path
+from ._fit_request import PHASE_MARK, PHASES_ENV, FitReport, load_config, parse_path
 
 __all__ = ["compile_step"]
 
@@ -59,6 +59,7 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
     cfg = load_config(config)
     chips = len(topology_devices(topology))
     start = time.perf_counter()
+    _phase("building the model")
     mesh, devices = _mesh()
     model, count = _model(cfg, from_shapes)
     _prepare(model, mesh, scan, remat, bf16)
@@ -67,12 +68,20 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _steady_optimizer(params, mesh, from_shapes)
     step = _training_step(model, optimizer)
+    _phase("lowering the step")
     tokens = _batch(cfg, batch, seq, mesh, from_shapes, step)
     loss, donated = _lowered(step, tokens, params, optimizer)
     lowered = time.perf_counter() - start
+    _phase(f"compiling for {topology}")
     result = tpu._compile([loss], topology, donated, widen=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices)
+
+
+def _phase(name: str) -> None:
+    """Tell the parent (``fit``, which sets :data:`PHASES_ENV`) which phase starts: one line on stdout."""
+    if os.environ.get(PHASES_ENV) == "1":
+        print(f"{PHASE_MARK} {name}", flush=True)
 
 
 def _mesh() -> tuple[Any, int]:

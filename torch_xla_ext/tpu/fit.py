@@ -36,17 +36,24 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._fit_request import DEFAULT_PATHS, PATHS, FitReport, load_config, lowering_devices, parse_path
+from ._fit_request import (DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, load_config, lowering_devices,
+                           parse_path)
 from ._fit_step import compile_step
 
 __all__ = ["FitReport", "PATHS", "DEFAULT_PATHS", "fit", "compile_step", "load_config", "parse_path", "lowering_devices"]
 
 
+#: ``progress(path, phase, seconds)``: the path being sized, the phase its child is in ("starting", "building
+#: the model", "lowering the step", "compiling for ...", then "done" or "failed"), seconds since it started.
+Progress = Callable[[str, str, float], None]
+
+
 def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str] = DEFAULT_PATHS,
-        timeout: float = 1800.0, max_host_bytes: int | None = None) -> list[FitReport]:
+        timeout: float = 1800.0, max_host_bytes: int | None = None,
+        progress: Progress | None = None) -> list[FitReport]:
     """Lower and compile one training step per path for ``topology``; a :class:`FitReport` each.
 
     ``batch`` sequences of ``seq`` tokens per step (the whole slice's batch,
@@ -57,7 +64,8 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     ``timeout`` seconds or holds more than ``max_host_bytes`` of host memory
     (default: 3/4 of this machine's) is stopped and gives a report with
     ``error`` set; a step whose temporaries exceed HBM gives ``fits=False``
-    with the compiler's message.
+    with the compiler's message. ``progress`` is called about five times a
+    second while a path runs (:data:`Progress`).
     """
     from ._client import topology_devices
 
@@ -80,16 +88,20 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     for path in paths:
         request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path}
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(lowering_devices(chips)),
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-        returncode, out, err, stopped = _run_child(json.dumps(request), env, timeout, limit)
+               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PHASES_ENV: "1"}
+        tick = (lambda phase, seconds, path=path: progress(path, phase, seconds)) if progress else None
+        started = time.monotonic()
+        returncode, out, err, stopped = _run_child(json.dumps(request), env, timeout, limit, tick)
         answer = _last_json_line(out)
         if stopped is not None or returncode != 0 or answer is None:
             tail = stopped or "the step did not lower or compile: " + (
                 err.strip().splitlines() or [f"exit status {returncode}"])[-1][:300]
             reports.append(FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0,
                                      lowering_devices(chips), error=tail))
-            continue
-        reports.append(FitReport(**answer))
+        else:
+            reports.append(FitReport(**answer))
+        if progress:
+            progress(path, "failed" if reports[-1].error else "done", time.monotonic() - started)
     return reports
 
 
@@ -108,18 +120,29 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _run_child(request: str, env: dict, timeout: float, limit: int) -> tuple[int, str, str, str | None]:
-    """Run one path's child: (exit status, stdout, stderr, why it was stopped or None)."""
+def _run_child(request: str, env: dict, timeout: float, limit: int,
+               tick: Callable[[str, float], None] | None = None) -> tuple[int, str, str, str | None]:
+    """Run one path's child: (exit status, stdout, stderr, why it was stopped or None); ``tick(phase, seconds)``
+    at each poll, with the last phase the child printed."""
     import tempfile
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with (tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err,
+          open(f"/proc/self/fd/{out.fileno()}") as watch):  # its own file offset: the child writes at out's
         proc = subprocess.Popen([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], stdin=subprocess.PIPE,
                                 stdout=out, stderr=err, env=env, text=True)
         proc.stdin.write(request)
         proc.stdin.close()
         stopped = None
         started = time.monotonic()
+        phase, partial = "starting", ""
         while proc.poll() is None:
+            if tick is not None:  # the phase lines the child wrote since the last poll, whole lines only
+                lines = (partial + watch.read()).split("\n")
+                partial = lines.pop()
+                marks = [line for line in lines if line.startswith(PHASE_MARK)]
+                if marks:
+                    phase = marks[-1][len(PHASE_MARK):].strip()
+                tick(phase, time.monotonic() - started)
             if time.monotonic() - started > timeout:
                 stopped = f"stopped after {timeout:.0f} s"
             elif _rss_bytes(proc.pid) > limit:
