@@ -123,3 +123,11 @@ def test_a_batch_whose_padding_something_would_read_is_left_as_it_is_with_one_wa
     with pytest.warns(UserWarning, match="no attention_mask and the model is not a causal LM"):
         assert BucketPadding(no_mask, 4, None, causal=False)([])["input_ids"].shape == (1, 3)
     assert BucketPadding(no_mask, 4, None, causal=True)([])["input_ids"].shape == (1, 4)  # attends backwards only
+
+
+def test_no_batch_is_padded_past_the_models_positions():
+    ids = torch.arange(70).reshape(1, 70)
+    batch = _batch(input_ids=ids, attention_mask=torch.ones(1, 70, dtype=torch.long), labels=ids)
+    assert BucketPadding(batch, 64, None, causal=True, max_length=100)([])["input_ids"].shape == (1, 100)
+    assert BucketPadding(batch, 64, None, causal=True, max_length=None)([])["input_ids"].shape == (1, 128)
+

@@ -43,12 +43,13 @@ class BucketPadding:
     excludes has a label (such a position attends to nothing, and what it
     computes then depends on the sequence length: a fully masked eager row
     attends uniformly over every key). A batch that fails either is left as
-    it is, with one warning saying why.
+    it is, with one warning saying why. ``max_length`` (the model's
+    ``max_position_embeddings``): no batch is padded past it.
     """
 
     def __init__(self, collator: Callable[[list], Any], multiple: int, pad_token_id: int | None,
-                 causal: bool) -> None:
-        self.collator, self.multiple, self.causal = collator, multiple, causal
+                 causal: bool, max_length: int | None = None) -> None:
+        self.collator, self.multiple, self.causal, self.max_length = collator, multiple, causal, max_length
         self.pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self.warned = False
 
@@ -71,6 +72,8 @@ class BucketPadding:
             return batch
         rows_n, seq = ids.shape
         target = -(-seq // self.multiple) * self.multiple
+        if self.max_length is not None and seq <= self.max_length < target:
+            target = self.max_length  # the model's positions end there (absolute position embeddings)
         if target == seq:
             return batch
         why = self._unpadded_because(batch)

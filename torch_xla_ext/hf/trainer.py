@@ -157,7 +157,9 @@ class SPMDTrainer(transformers.Trainer):
         if self.pad_to_multiple_of is not None:
             config = getattr(self.model, "config", None)
             causal = type(self.model).__name__.endswith("ForCausalLM") or bool(getattr(config, "is_decoder", False))
-            collator = BucketPadding(collator, self.pad_to_multiple_of, getattr(config, "pad_token_id", None), causal)
+            positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+            collator = BucketPadding(collator, self.pad_to_multiple_of, getattr(config, "pad_token_id", None), causal,
+                                     positions if isinstance(positions, int) else None)
         self._collator_errors = CollatorErrors(collator)
         original, self.data_collator = self.data_collator, self._collator_errors
         try:
