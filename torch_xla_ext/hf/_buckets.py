@@ -12,8 +12,7 @@ are the unpadded batch's), ``position_ids`` counting on, ``token_type_ids``
 with 0. A batch with another ``[batch, seq]`` column is refused (its pad
 value is unknown) naming it and ``pad_to_multiple_of=None``.
 
-:class:`CollatorErrors` brings an error of the collator (on the loader's
-thread) back to the training thread. :class:`ShapeWatch` warns once when a training batch has a shape not seen
+:class:`ShapeWatch` warns once when a training batch has a shape not seen
 before after the first steps (each such shape compiles the step again),
 naming the shape and the fix.
 """
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_MULTIPLE", "BucketPadding", "CollatorErrors", "ShapeWatch"]
+__all__ = ["DEFAULT_MULTIPLE", "BucketPadding", "ShapeWatch"]
 
 #: ``SPMDTrainer``'s default ``pad_to_multiple_of``.
 DEFAULT_MULTIPLE = 64
@@ -123,35 +122,6 @@ class ShapeWatch:
                    else f"raise SPMDTrainer(..., pad_to_multiple_of=) above {self.multiple}, or pad every batch to "
                         f"one length in the collator (padding='max_length')")
             warnings.warn(f"SPMDTrainer: a new batch shape {shape} at training step {self.steps}; XLA compiles the "
-                          f"step again for each shape ({len(self.seen)} so far). To compile fewer programs, {fix}.",
+                          f"step again for each shape ({len(self.seen)} before this one). To compile fewer programs, {fix}.",
                           stacklevel=3)
         self.seen.add(shape)
-
-
-class CollatorErrors:
-    """``collator`` called on the loader's thread, its first error kept for the training thread.
-
-    On XLA accelerate runs the train loader inside torch_xla's prefetching
-    ``MpDeviceLoader``, whose thread dies with a collator's exception: the
-    training loop then sees the data end and returns after fewer steps, the
-    error printed at best. ``SPMDTrainer`` raises the kept error at its next
-    training step and at the end of ``train()``.
-    """
-
-    def __init__(self, collator: Callable[[list], Any] | None) -> None:
-        self.collator = collator
-        self.error: BaseException | None = None
-
-    def __call__(self, rows: list) -> Any:
-        try:
-            return self.collator(rows)
-        except BaseException as error:
-            if self.error is None:
-                self.error = error
-            raise
-
-    def raise_if_any(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-

@@ -50,7 +50,8 @@ import transformers
 
 from ..distributed import FSDPModule
 from ..distributed.checkpoint import load_sharded, save_sharded
-from ._buckets import DEFAULT_MULTIPLE, BucketPadding, CollatorErrors, ShapeWatch
+from ._buckets import DEFAULT_MULTIPLE, BucketPadding, ShapeWatch
+from ._loader_errors import CollatorErrors
 from ._logged_loss import spmd_loss_gather
 
 __all__ = ["SHARDED_CHECKPOINT_DIR", "SPMDTrainer"]
@@ -152,7 +153,7 @@ class SPMDTrainer(transformers.Trainer):
 
     def get_train_dataloader(self) -> Any:
         """Trainer's loader, its batches padded to a multiple of ``pad_to_multiple_of`` (``_buckets``), and the
-        collator's errors kept for this thread (:class:`~._buckets.CollatorErrors`)."""
+        collator's errors kept for this thread (:class:`~._loader_errors.CollatorErrors`)."""
         collator = self.data_collator
         if self.pad_to_multiple_of is not None:
             config = getattr(self.model, "config", None)
