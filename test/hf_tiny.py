@@ -13,6 +13,14 @@ import transformers
 VOCAB = 128
 
 
+#: The rotary decoders, one size: (config class, model class, what differs from the class's defaults).
+_ROTARY = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": False}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+}
+
+
 def tiny(kind: str) -> torch.nn.Module:
     """A seeded tiny causal LM: ``llama``, ``qwen2``, ``mistral`` (rotary, ``sdpa`` attention), ``gpt2`` (head
     tied to the embedding) or ``gemma2`` (interleaved, ``eager`` attention)."""
@@ -21,21 +29,11 @@ def tiny(kind: str) -> torch.nn.Module:
         config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
+    if kind in _ROTARY:
+        config_class, model_class, own = _ROTARY[kind]
+        return model_class(config_class(
             hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
-        return transformers.LlamaForCausalLM(config)
-    if kind == "qwen2":
-        config = transformers.Qwen2Config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
-        return transformers.Qwen2ForCausalLM(config)
-    if kind == "mistral":
-        config = transformers.MistralConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=None)
-        return transformers.MistralForCausalLM(config)
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, **own))
     config = transformers.Gemma2Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4, attn_implementation="eager")
