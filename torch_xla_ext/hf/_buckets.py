@@ -83,11 +83,11 @@ class BucketPadding:
                               f"{why}. Such batches compile a step program per length.", stacklevel=2)
             return batch
         fills = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": _IGNORE_INDEX, "token_type_ids": 0}
+        extra = target - seq
         padded = dict(batch)
         for key, value in batch.items():
             if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows_n, seq)):
                 continue
-            extra = target - seq
             if key == "position_ids":
                 steps = torch.arange(1, extra + 1, dtype=value.dtype).expand(rows_n, extra)
                 padded[key] = torch.cat([value, value[:, -1:] + steps], dim=1)
