@@ -96,7 +96,7 @@ def test_a_bad_multiple_is_refused(tmp_path, mesh, value):
 
 
 def _batch(**columns):
-    return lambda rows: {k: v.clone() for k, v in columns.items()}
+    return lambda rows: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in columns.items()}
 
 
 def test_the_padding_values_keep_the_loss_and_the_positions():
@@ -131,3 +131,20 @@ def test_no_batch_is_padded_past_the_models_positions():
     assert BucketPadding(batch, 64, None, causal=True, max_length=100)([])["input_ids"].shape == (1, 100)
     assert BucketPadding(batch, 64, None, causal=True, max_length=None)([])["input_ids"].shape == (1, 128)
 
+
+
+def test_a_padding_free_row_has_its_last_sequence_run_on_into_the_padding():
+    """TRL's packing: sequences of 2 and 3 tokens in one row, their boundaries for varlen kernels beside it."""
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    bounds = torch.tensor([0, 2, 5], dtype=torch.int32)
+    batch = dict(input_ids=ids, labels=torch.tensor([[-100, 6, -100, 8, 9]]),
+                 position_ids=torch.tensor([[0, 1, 0, 1, 2]]), seq_idx=torch.tensor([[0, 0, 1, 1, 1]]),
+                 cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=3, max_length_k=3)
+    out = BucketPadding(lambda rows: batch, 8, pad_token_id=3, causal=True)([])
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9, 3, 3, 3]]
+    assert out["labels"].tolist() == [[-100, 6, -100, 8, 9, -100, -100, -100]]
+    assert out["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5]]
+    assert out["seq_idx"].tolist() == [[0, 0, 1, 1, 1, 1, 1, 1]]
+    for side in ("q", "k"):
+        assert out[f"cu_seq_lens_{side}"].tolist() == [0, 2, 8] and out[f"max_length_{side}"] == 6
+    assert bounds.tolist() == [0, 2, 5]  # the collator's own tensor is left as it was

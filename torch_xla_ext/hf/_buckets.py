@@ -9,7 +9,8 @@ pads every ``[batch, seq]`` column on the right to the next multiple of
 ``multiple``: ``input_ids`` with the pad token, ``attention_mask`` with 0,
 ``labels`` with -100 (ignored by the loss, so the loss and its gradients
 are the unpadded batch's), ``position_ids`` counting on, ``token_type_ids``
-with 0. A batch with another ``[batch, seq]`` column is refused (its pad
+with 0; a padding-free batch (TRL's packing) has its last sequence run on
+into the padding (``seq_idx``, ``cu_seq_lens_*``, ``max_length_*``). A batch with another ``[batch, seq]`` column is refused (its pad
 value is unknown) naming it and ``pad_to_multiple_of=None``.
 
 :class:`ShapeWatch` warns once when a training batch has a shape not seen
@@ -91,6 +92,8 @@ class BucketPadding:
             if key == "position_ids":
                 steps = torch.arange(1, extra + 1, dtype=value.dtype).expand(rows_n, extra)
                 padded[key] = torch.cat([value, value[:, -1:] + steps], dim=1)
+            elif key == "seq_idx":  # a padding-free row's sequence index per token: the last sequence goes on
+                padded[key] = torch.cat([value, value[:, -1:].expand(rows_n, extra)], dim=1)
             elif key in fills and value.dim() == 2:
                 padded[key] = torch.nn.functional.pad(value, (0, extra), value=fills[key])
             else:
@@ -98,7 +101,22 @@ class BucketPadding:
                     f"SPMDTrainer: the batch's column {key!r} {tuple(value.shape)} runs along the sequence, and its "
                     f"padding value is unknown; pad it to a multiple of {self.multiple} in your collator, or turn "
                     f"the padding off with SPMDTrainer(..., pad_to_multiple_of=None)")
+        _lengthen_last_sequence(padded, target)
         return type(batch)(padded) if not isinstance(batch, dict) else padded
+
+
+def _lengthen_last_sequence(batch: dict[str, Any], length: int) -> None:
+    """A padding-free batch's sequence boundaries (TRL's ``cu_seq_lens_*``, ``max_length_*``) with its last
+    sequence running on to ``length``, as its ``position_ids`` and ``seq_idx`` now do."""
+    for side in ("q", "k"):
+        bounds = batch.get(f"cu_seq_lens_{side}")
+        if not isinstance(bounds, torch.Tensor) or bounds.dim() != 1 or bounds.numel() < 2:
+            continue
+        bounds = bounds.clone()
+        bounds[-1] = length
+        batch[f"cu_seq_lens_{side}"] = bounds
+        if f"max_length_{side}" in batch:
+            batch[f"max_length_{side}"] = int(bounds.diff().max())
 
 
 class ShapeWatch:
