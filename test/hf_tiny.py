@@ -90,3 +90,41 @@ class InOrder(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(self.rows)
 
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' ``VOCAB`` ids, built in memory: ``w0`` .. ``w124``, then
+    ``<pad>``, ``<eos>``, ``<unk>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(VOCAB - 3)}
+    words.update({"<pad>": VOCAB - 3, "<eos>": VOCAB - 2, "<unk>": VOCAB - 1})
+    inner = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+
+
+def texts(count: int, shortest: int = 5, longest: int = 40, seed: int = 0) -> list[str]:
+    """``count`` texts of :func:`tokenizer`'s words, their lengths drawn between ``shortest`` and ``longest``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest, (count,), generator=g)
+    return [" ".join(f"w{int(t)}" for t in torch.randint(0, VOCAB - 3, (int(n),), generator=g)) for n in lengths]
+
+
+def sft_arguments(output_dir, **overrides):
+    """TRL's ``SFTConfig`` defaults (bf16, gradient checkpointing...), quiet, with ``arguments``' learning rate
+    and seed, every step logged, 64-token rows (and any override)."""
+    import trl
+
+    values = dict(output_dir=str(output_dir), report_to="none", disable_tqdm=True, learning_rate=1e-2, seed=3,
+                  logging_steps=1, save_strategy="no", max_length=64, per_device_train_batch_size=8)
+    values.update(overrides)
+    return trl.SFTConfig(**values)
+
+
+def lora_config():
+    """A rank-4 LoRA on every layer's ``q_proj`` and ``v_proj``."""
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

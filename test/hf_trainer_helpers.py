@@ -60,6 +60,37 @@ def cpu_reference(kind: str, output_dir: pathlib.Path, train: list, *, evaluate:
     return CPUReference(**torch.load(result, weights_only=False))
 
 
+_CPU_SFT_REFERENCE = """
+import sys
+sys.modules["torch_xla"] = None  # as on a machine without it: TRL then trains on the CPU
+sys.path.insert(0, sys.argv[1])
+import datasets, torch, trl
+from hf_tiny import lora_config, sft_arguments, tiny, tokenizer
+job = torch.load(sys.argv[2], weights_only=False)
+args = sft_arguments(job["out"], use_cpu=True, optim="adamw_torch", **job["overrides"])
+trainer = trl.SFTTrainer(model=tiny(job["kind"]), args=args, processing_class=tokenizer(),
+                         train_dataset=datasets.Dataset.from_dict({"text": job["train"]}),
+                         eval_dataset=datasets.Dataset.from_dict({"text": job["eval"]}) if job["eval"] else None,
+                         peft_config=lora_config() if job["lora"] else None)
+trainer.train()
+assert next(trainer.model.parameters()).device.type == "cpu"
+torch.save(trainer.state.log_history, sys.argv[3])
+"""
+
+
+def cpu_sft_reference(kind: str, output_dir: pathlib.Path, train: list[str], *, evaluate: list[str] | None = None,
+                      lora: bool = False, **overrides) -> list[dict]:
+    """TRL's ``SFTTrainer`` log history for the same model and texts on the CPU, with the AdamW our run uses
+    (``sft_arguments`` and ``overrides``; ``lora``: ``lora_config()`` as ``peft_config``), in a child process
+    that cannot import torch_xla (see :func:`cpu_reference`)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    job, result = output_dir / "job.pt", output_dir / "history.pt"
+    torch.save({"kind": kind, "out": str(output_dir), "train": train, "eval": evaluate, "lora": lora,
+                "overrides": overrides}, job)
+    run_surviving(output_dir, _CPU_SFT_REFERENCE, str(pathlib.Path(__file__).parent), str(job), str(result))
+    return torch.load(result, weights_only=False)
+
+
 def losses(trainer: transformers.Trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 

@@ -11,9 +11,12 @@
   host to decide whether it may skip it).
 * :class:`SPMDTrainer` (``torch_xla_ext.hf.trainer``) is transformers'
   ``Trainer`` with checkpoints that gather nothing.
+* :class:`SPMDSFTTrainer` (``torch_xla_ext.hf.sft_trainer``) is the same for
+  TRL's ``SFTTrainer``, its per-step metrics kept on the device until a step
+  logs.
 
-``transformers`` is imported only by what needs it (``SPMDTrainer`` on first
-use).
+``transformers`` and ``trl`` are imported only by what needs them
+(``SPMDTrainer``, ``SPMDSFTTrainer`` on first use).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ._masks import causal_mask
 from ._prepare import PreparedOptions, prepare, prepared_options
 from ._scan_stack import ScannedLayers, scan_decoder_layers
 
-__all__ = ["PreparedOptions", "SPMDTrainer", "ScannedLayers", "causal_mask", "prepare", "prepared_options",
+__all__ = ["PreparedOptions", "SPMDSFTTrainer", "SPMDTrainer", "ScannedLayers", "causal_mask", "prepare", "prepared_options",
            "scan_decoder_layers"]
 
 
@@ -33,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from .trainer import SPMDTrainer
 
         return SPMDTrainer
+    if name == "SPMDSFTTrainer":  # imports TRL (seconds)
+        from .sft_trainer import SPMDSFTTrainer
+
+        return SPMDSFTTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -118,7 +118,7 @@ class SPMDTrainer(transformers.Trainer):
                                                or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1):
             raise ValueError(f"SPMDTrainer: pad_to_multiple_of must be a positive int or None, got "
                              f"{pad_to_multiple_of!r}")
-        given = inspect.signature(transformers.Trainer.__init__).bind(self, model, args, *rest, **kwargs).arguments
+        given = inspect.signature(super().__init__).bind(model, args, *rest, **kwargs).arguments  # the next class's
         if model is None and given.get("model_init") is None:
             raise TypeError("SPMDTrainer trains a fully sharded model: pass model=torch_xla_ext.hf.prepare(model, "
                             "mesh), or model_init= a function that returns one")
