@@ -21,10 +21,25 @@ _ROTARY = {
 }
 
 
+#: The mixture-of-experts decoders: (config class, model class, their sizes), 4 experts, 2 per token.
+_MOE = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                {"num_local_experts": 4, "intermediate_size": 96, "sliding_window": None}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  {"num_experts": 4, "intermediate_size": 96, "moe_intermediate_size": 48, "head_dim": 16}),
+}
+
+
 def tiny(kind: str) -> torch.nn.Module:
-    """A seeded tiny causal LM: ``llama``, ``qwen2``, ``mistral`` (rotary, ``sdpa`` attention), ``gpt2`` (head
-    tied to the embedding) or ``gemma2`` (interleaved, ``eager`` attention)."""
+    """A seeded tiny causal LM: ``llama``, ``qwen2``, ``mistral`` (rotary, ``sdpa`` attention), ``mixtral``,
+    ``qwen3_moe`` (mixture of experts), ``gpt2`` (head tied to the embedding) or ``gemma2`` (interleaved,
+    ``eager`` attention)."""
     torch.manual_seed(0)
+    if kind in _MOE:
+        config_class, model_class, own = _MOE[kind]
+        return model_class(config_class(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64, **own))
     if kind == "gpt2":
         config = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

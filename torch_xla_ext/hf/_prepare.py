@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._masks import causal_mask, packed_segments
+from ._moe import check_dense_experts, use_dense_experts
 from ..distributed import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ..distributed._registry import is_fully_sharded, is_replicated
 from ._scan_stack import ScannedLayers, argument_position, call_argument, find_stack, scan_decoder_layers
@@ -80,7 +81,11 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     in the model's own form (sliding windows, Gemma 2's per-kind dict; with
     no mask and ``position_ids`` that restart, sequences packed in a row
     attend within themselves, as Hugging Face's packed-sequence detection
-    does). A 4-D mask or a dict of them is passed on as given. Modules,
+    does). A 4-D mask or a dict of them is passed on as given. Mixture-of-
+    experts layers (Mixtral, Qwen3-MoE, ...) run every expert on every token,
+    weighted by the router on the device (``experts_implementation=
+    "xla_dense"``, :mod:`._moe`): transformers' own pick each expert's tokens
+    on the host. Modules,
     parameters, state-dict keys, class names and ``forward`` signatures stay.
 
     Idempotent: preparing a prepared model with the same arguments returns it
@@ -139,8 +144,10 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     if argument_position(owner, "attention_mask") is None:
         raise ValueError(f"prepare: {type(owner).__name__}.forward takes no attention_mask argument; prepare builds "
                          f"the decoder's mask, so it needs one")
+    check_dense_experts(model)
 
     # Every check passed: from here on the model changes.
+    use_dense_experts(model)
     for layer in stack:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)

@@ -1,0 +1,85 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE) through ``prepare``: scanned, on the device, as on the CPU.
+
+transformers' default experts implementation counts each expert's tokens
+with ``torch.histc`` (a host read; a scanned stack refuses it, and
+torch_xla has no integer ``histc``). ``prepare`` selects the package's
+device-side one (``xla_dense``: every expert on every token, combined by the
+router's weights), whose result is the routed sum the model's own forward
+computes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from torch_xla_ext.hf import SPMDTrainer, prepare
+from torch_xla_ext.hf._moe import DENSE, dense_experts_forward, expert_modules
+from torch_xla_ext.testing.tolerances import tolerance
+
+from hf_tiny import arguments, tiny, token_rows
+from hf_trainer_helpers import StepCounts, cpu_reference, losses
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Trainer's and accelerate's xm.mark_step
+    pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"),
+]
+
+STEPS = 6
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_trains_scanned_through_prepare_as_on_the_cpu_reading_nothing(tmp_path, mesh, kind):
+    model = prepare(tiny(kind), mesh, scan=True)
+    assert {m.config._experts_implementation for _, m in expert_modules(model)} == {DENSE}
+    train = token_rows(32, 16)
+    steps = StepCounts()
+    trainer = SPMDTrainer(model=model, args=arguments(tmp_path / "xla", max_steps=STEPS, logging_steps=1,
+                                                      save_strategy="no"), train_dataset=train, callbacks=[steps])
+    trainer.train()
+    reference = cpu_reference(kind, tmp_path / "cpu", train, max_steps=STEPS, logging_steps=1, save_strategy="no")
+    assert reference.losses[-1] < reference.losses[0] - 0.1  # it trains
+    assert losses(trainer) == pytest.approx(reference.losses, rel=1e-5)
+    assert [(m.d2h, m.gathers) for m in steps.inside[1:]] == [(0, 0)] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_the_dense_experts_give_the_routed_sum_and_its_gradients(kind):
+    """On the CPU, against the model's own eager experts: values and every gradient (router weights included)."""
+    experts = next(m for _, m in expert_modules(tiny(kind)))
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    mine = copy.deepcopy(experts)
+    experts.config._experts_implementation = "eager"
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(24, experts.hidden_dim, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(24)])
+    weights = torch.rand(24, 2, generator=g).softmax(-1).requires_grad_()
+    want = experts(hidden, index, weights)
+    got = dense_experts_forward(mine, hidden, index, weights)
+    # each output sums 2 experts' down projections of the intermediate width
+    tol = tolerance(torch.float32, 2 * experts.intermediate_dim, scale=float(want.abs().mean()))
+    torch.testing.assert_close(got, want, **tol)
+    cotangent = torch.randn(want.shape, generator=g)
+    want_grads = torch.autograd.grad(want, [hidden, weights, *experts.parameters()], cotangent)
+    got_grads = torch.autograd.grad(got, [hidden, weights, *mine.parameters()], cotangent)
+    for w, m in zip(want_grads, got_grads):
+        torch.testing.assert_close(m, w, **tolerance(torch.float32, 24 * experts.intermediate_dim,
+                                                     scale=float(w.abs().mean())))
+
+
+def test_experts_that_cannot_run_on_the_device_are_refused_before_anything_changes(mesh):
+    split = tiny("mixtral")
+    next(m for _, m in expert_modules(split))._is_expert_parallel = True
+    with pytest.raises(ValueError, match="expert parallelism"):
+        prepare(split, mesh)
+    kernels = tiny("mixtral")
+    next(m for _, m in expert_modules(kernels)).config._experts_implementation = "sonicmoe"
+    with pytest.raises(ValueError, match="sonicmoe"):
+        prepare(kernels, mesh)
+    assert next(kernels.parameters()).device.type == "cpu"  # nothing moved
+    assert isinstance(kernels, transformers.MixtralForCausalLM) and not hasattr(kernels, "_txe_prepared")
