@@ -259,9 +259,10 @@ def _refuse_per_layer_state(args: tuple, kwargs: dict[str, Any]) -> None:
         )
     if capturing_outputs():
         raise ScanInputError(
-            "scan_decoder_layers: the model was asked for every layer's output (output_hidden_states or "
-            "output_attentions); a scanned stack returns only the last layer's. Call it without them, or undo "
-            "with model_layers.unscan()."
+            "scan_decoder_layers: the model was asked for every layer's output (output_hidden_states, "
+            "output_attentions, or a mixture of experts' output_router_logits for its load-balancing loss); a "
+            "scanned stack returns only the last layer's. Call it without them, or undo with model_layers.unscan() "
+            "(with prepare: scan=False)."
         )
 
 
