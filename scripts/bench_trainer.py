@@ -17,6 +17,18 @@ quiet logging. Methods:
               default fused AdamW has no XLA kernel), and the optimizer created
               after wrapping: transformers 5.23 leaves it None on that path
               ('NoneType' object has no attribute 'param_groups')
+  ... bf16    the same three with TrainingArguments(bf16=True) (autocast; the
+              model's default sdpa attention). Trainer's XLA FSDP path does
+              not autocast: "fsdpv2 bf16" computes in float32 (its
+              train_loss equals "fsdpv2"'s bit for bit), so its ratio
+              compares a bfloat16 step with a float32 one
+  trl ...     TRL's SFTTrainer with its defaults (bf16, gradient
+              checkpointing) on the same rows as token ids:
+              torch_xla_ext.hf.SPMDSFTTrainer on the prepared, scanned model,
+              against SFTTrainer with the FSDPv2 arguments above; "-gc": both
+              with gradient_checkpointing=False
+
+A method that fails reports its error in place of its figures.
 
 Each method runs in its own process; the processes alternate (ours+scan,
 ours+loop, fsdpv2, then again) so drift of a shared machine hits all alike.
@@ -32,8 +44,9 @@ Per run it reports
   loss      Trainer's train_loss (the methods train the same model on the
             same rows; they agree to float32 rounding)
 
-and the ratio of each method's step time to FSDPv2's of the same round,
-then draws the step times as bars (``--png``).
+and the ratio of each method's step time to its FSDPv2 counterpart's of the
+same round (same precision, Trainer or TRL), then draws the step times as
+bars (``--png``).
 """
 
 from __future__ import annotations
@@ -46,7 +59,23 @@ import subprocess
 import sys
 import tempfile
 
-METHODS = ("ours+scan", "ours+loop", "fsdpv2")
+#: name -> (trainer: "ours" or "fsdpv2"; scanned; TRL's SFTTrainer; arguments beyond the common ones)
+SETUPS = {
+    "ours+scan": ("ours", True, False, {}),
+    "ours+loop": ("ours", False, False, {}),
+    "fsdpv2": ("fsdpv2", False, False, {}),
+    "ours+scan bf16": ("ours", True, False, {"bf16": True}),
+    "ours+loop bf16": ("ours", False, False, {"bf16": True}),
+    "fsdpv2 bf16": ("fsdpv2", False, False, {"bf16": True}),
+    "trl ours+scan": ("ours", True, True, {}),  # TRL's defaults: bf16, gradient checkpointing
+    "trl fsdpv2": ("fsdpv2", False, True, {}),
+    "trl ours+scan -gc": ("ours", True, True, {"gradient_checkpointing": False}),
+    "trl fsdpv2 -gc": ("fsdpv2", False, True, {"gradient_checkpointing": False}),
+}
+METHODS = tuple(SETUPS)
+#: each method's step time is compared with its FSDPv2 counterpart's of the same round
+BASELINE = {m: next(b for b, (kind, _, sft, extra) in SETUPS.items()
+                    if kind == "fsdpv2" and sft == SETUPS[m][2] and extra == SETUPS[m][3]) for m in METHODS}
 
 
 def _child(method: str, layers: int, hidden: int, seq: int, batch: int, steps: int) -> dict:
@@ -105,30 +134,50 @@ def _child(method: str, layers: int, hidden: int, seq: int, batch: int, steps: i
 
     clock = Clock()
     out = tempfile.mkdtemp()
+    kind, scanned, sft, overrides = SETUPS[method]
     common = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-3, seed=3,
-                  report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=steps)
-    if method == "fsdpv2":
-        xs.set_global_mesh(mesh)
+                  report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=steps, **overrides)
+    extra: dict = {}
+    if sft:
+        import datasets
+        import tokenizers
+        import trl
 
-        class FSDPv2Trainer(transformers.Trainer):
+        words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w0"))
+        extra["processing_class"] = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w1",
+                                                                         eos_token="w2")
+        rows = datasets.Dataset.from_dict({"input_ids": [r["input_ids"][r["attention_mask"] > 0].tolist()
+                                                         for r in rows]})
+        arguments = trl.SFTConfig
+        common.update(max_length=seq)
+    else:
+        arguments = transformers.TrainingArguments
+    if kind == "fsdpv2":
+        xs.set_global_mesh(mesh)
+        base = trl.SFTTrainer if sft else transformers.Trainer
+
+        class FSDPv2Trainer(base):
             def _wrap_model(self, model, training=True, dataloader=None):
                 wrapped = super()._wrap_model(model, training, dataloader)
                 if training and wrapped is not model and self.optimizer is None:
                     self.create_optimizer(wrapped)
                 return wrapped
 
-        args = transformers.TrainingArguments(
+        args = arguments(
             optim="adamw_torch", fsdp="full_shard",
             fsdp_config={"xla": True, "xla_fsdp_v2": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
             **common)
-        trainer = FSDPv2Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock])
+        trainer = FSDPv2Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock], **extra)
     else:
-        from torch_xla_ext.hf import SPMDTrainer, prepare
+        from torch_xla_ext.hf import SPMDSFTTrainer, SPMDTrainer, prepare
 
-        prepare(model, mesh, scan=method == "ours+scan")
-        trainer = SPMDTrainer(model=model, args=transformers.TrainingArguments(**common), train_dataset=rows,
-                              callbacks=[clock])
-    result = trainer.train()
+        prepare(model, mesh, scan=scanned)
+        ours = SPMDSFTTrainer if sft else SPMDTrainer
+        trainer = ours(model=model, args=arguments(**common), train_dataset=rows, callbacks=[clock], **extra)
+    try:
+        result = trainer.train()
+    except Exception as e:  # reported in place of the figures
+        return {"method": method, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"}
     gaps = [b - a for a, b in zip(clock.begins, clock.begins[1:])][4:]
     steady = clock.inside[4:]
     return {"method": method, "step": statistics.median(gaps), "loss": result.training_loss,
@@ -140,7 +189,7 @@ def _run_child(method: str, a: argparse.Namespace) -> dict:
            str(a.hidden), "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{method} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return {"method": method, "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:90]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -150,12 +199,13 @@ def _png(path: str, rounds: list[dict[str, dict]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = plt.subplots(figsize=(9.6, 3.8))
     width = 0.8 / len(rounds)
     for r, results in enumerate(rounds):
         xs = [k + r * width for k in range(len(METHODS))]
-        ax.bar(xs, [results[m]["step"] * 1e3 for m in METHODS], width, label=f"round {r + 1}")
-    ax.set_xticks([k + width * (len(rounds) - 1) / 2 for k in range(len(METHODS))], METHODS)
+        ax.bar(xs, [results[m].get("step", 0.0) * 1e3 for m in METHODS], width, label=f"round {r + 1}")
+    ax.set_xticks([k + width * (len(rounds) - 1) / 2 for k in range(len(METHODS))],
+                  [m + (" (failed)" if "error" in rounds[0][m] else "") for m in METHODS], rotation=20, ha="right")
     ax.set_ylabel("steady step (ms)")
     ax.set_title("Trainer: prepared model vs Trainer's FSDPv2 (8 CPU devices)")
     ax.legend()
@@ -179,15 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rounds = []
     print(f"Llama, {a.layers} layers, hidden {a.hidden}, batch {a.batch} x {a.seq} tokens, {a.steps} steps")
-    print(f"{'round':>5} {'method':<10} {'step ms':>8} {'vs fsdpv2':>9} {'d2h/step':>8} {'gath/step':>9} "
+    print(f"{'round':>5} {'method':<15} {'step ms':>8} {'vs':>5} {'baseline':<12} {'d2h/step':>8} {'gath/step':>9} "
           f"{'compiles':>8} {'train_loss':>11}")
     for r in range(a.rounds):
         results = {m: _run_child(m, a) for m in METHODS}
         rounds.append(results)
         for m in METHODS:
-            x = results[m]
-            print(f"{r + 1:>5} {m:<10} {x['step'] * 1e3:>8.1f} {x['step'] / results['fsdpv2']['step']:>9.2f} "
-                  f"{x['d2h']:>8} {x['gathers']:>9} {x['compiles']:>8} {x['loss']:>11.6f}", flush=True)
+            x, base = results[m], results[BASELINE[m]]
+            if "error" in x:
+                print(f"{r + 1:>5} {m:<15} failed: {x['error']}", flush=True)
+                continue
+            ratio = f"{x['step'] / base['step']:.2f}" if "step" in base else "-"
+            print(f"{r + 1:>5} {m:<15} {x['step'] * 1e3:>8.1f} {ratio:>5} {BASELINE[m]:<12} {x['d2h']:>8} "
+                  f"{x['gathers']:>9} {x['compiles']:>8} {x['loss']:>11.6f}", flush=True)
     if a.png:
         _png(a.png, rounds)
         print(f"wrote {a.png}")
