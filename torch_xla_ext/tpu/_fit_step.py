@@ -194,7 +194,9 @@ def _check_placements(model: Any, devices: int, chips: int) -> None:
     """Refuse a model fully_shard would place otherwise on ``chips`` than on the ``devices`` it was lowered on."""
     from .._contract import applied_spec, is_stacked
     from ..distributed._param import default_placement
+    from ..hf._prepare import embeddings_on_hidden
 
+    rule = embeddings_on_hidden(model, chips)  # prepare's placement, for the slice's chips
     for name, p in model.named_parameters():
         spec = applied_spec(p)
         if spec is None:
@@ -203,7 +205,7 @@ def _check_placements(model: Any, devices: int, chips: int) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "stays replicated": the answer compared below
             holder_name, _, local = name.rpartition(".")
-            there = default_placement(p, name, chips, None, stacked=is_stacked(model.get_submodule(holder_name), local))
+            there = default_placement(p, name, chips, rule, stacked=is_stacked(model.get_submodule(holder_name), local))
         if here != there:
             raise ValueError(
                 f"tpu_fit: {name} {tuple(p.shape)} is sharded on dim {here} over {devices} devices but would be "
