@@ -49,13 +49,14 @@ def test_a_sharded_step_compiles_with_the_hand_counted_arguments_and_moves_nothi
     assert r.peak_bytes >= r.argument_bytes and r.flops > 0 and r.bytes_accessed > 0 and r.while_loops == 0
     assert r.collectives  # the partitioned program gathers the weights
     assert "peak per chip" in str(r) and "needs per chip" in str(r) and topology in str(r)
-    # What fits is decided on: the larger of the compiler's peak and the sum of what it holds (on v5p the
-    # preallocated temporaries exceed the reported peak; on v5e the peak is the larger).
-    held = r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes + r.generated_code_bytes
-    assert r.required_bytes == max(r.peak_bytes, held) and r.headroom_bytes == r.hbm_bytes - r.required_bytes
     # The HBM buffers hold at least the arguments and the outputs; HBM used adds the program's code.
     assert r.hbm_buffer_bytes >= r.argument_bytes + r.output_bytes - r.alias_bytes
     assert r.hbm_used_bytes == r.hbm_buffer_bytes + r.generated_code_bytes and "HBM used" in str(r)
+    # What fits is decided on: the HBM used, not the compiler's statistics (on v5p its temporaries figure is
+    # above its own buffer assignment; its peak can count on-chip memory), which only bound it from above.
+    held = r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes + r.generated_code_bytes
+    assert r.required_bytes == r.hbm_used_bytes <= max(r.peak_bytes, held)
+    assert r.headroom_bytes == r.hbm_bytes - r.required_bytes
     # Nothing ran: the graph is still pending, and runs afterwards.
     assert torch.isfinite(loss.cpu())
 

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+from torch_xla_ext.tpu_fit import FitReport
+
 from child_process import run_child, run_surviving
 
 pytest.importorskip("libtpu")
@@ -81,6 +83,12 @@ def test_shape_only_step_compiles_to_the_real_steps_figures(config_file):
         assert compiled["argument_bytes"] >= compiled["alias_bytes"] + 8 * 16 * 32 // report["chips"]
         assert compiled["trip_counts"] == ([] if report["path"] == "loop" else [2, 2])
         assert compiled["fits"] and report["host_rss_bytes"] > 0
+        # What the step needs is its HBM as the buffer assignment places it, split by kind to the byte.
+        parts = FitReport(**report).breakdown()
+        assert sum(parts.values()) == FitReport(**report).required_bytes == (
+            compiled["hbm_buffer_bytes"] + compiled["generated_code_bytes"])
+        assert parts["parameters"] >= 4 * n // report["chips"] and parts["temporaries (gradients, activations)"] > 0
+        assert abs(parts["optimizer moments"] - 2 * parts["parameters"]) <= 2
 
 
 def test_a_shape_only_step_that_raised_leaves_nothing_that_a_later_sync_would_execute(config_file, tmp_path):
@@ -161,7 +169,6 @@ def test_a_placement_that_depends_on_the_device_count_is_refused():
 
 def test_the_table_shows_a_refused_step_by_what_the_compiler_says_it_needs_and_a_stopped_one_by_why():
     from torch_xla_ext.cli.tpu_fit import report_table
-    from torch_xla_ext.tpu_fit import FitReport
 
     gib = 1 << 30
     fields = dict(topology="v5p:8x8x4", device_kind="TPU v5", chips=256, hbm_bytes=95 * gib, fits=False,

@@ -95,8 +95,8 @@ def report_table(reports: Sequence) -> str:
              + (f"; lowered on {first.lowered_on} virtual devices" if first.lowered_on != first.chips else ""),
              "TPU compiler's figures per chip (AdamW step, parameters and moments in fp32, donated); "
              "no step time, no host memory of the real job"]
-    head = ("path", "fits", "needs/chip", "of HBM", "headroom", "peak", "compile s", "host RSS",
-            "collectives, or why not compiled")
+    head = ("path", "fits", "needs/chip", "of HBM", "headroom", "params+moments+temps+code GiB", "compile s",
+            "host RSS", "collectives, or why not compiled")
     rows = []
     for r in reports:
         c = r.compiled
@@ -110,9 +110,13 @@ def report_table(reports: Sequence) -> str:
                          "" if needs is None else format_bytes(c["hbm_bytes"] - needs), "",
                          f"{c['compile_seconds']:.0f}", format_bytes(r.host_rss_bytes), c["error"]))
             continue
+        parts = r.breakdown()
+        split = "" if parts is None else "+".join(
+            f"{parts[k] / 2**30:.2f}" for k in ("parameters", "optimizer moments",
+                                                "temporaries (gradients, activations)", "code"))
         colls = ", ".join(f"{kind} {count}x {format_bytes(size)}" for kind, (count, size) in sorted(c["collectives"].items()))
         rows.append((r.path, "yes" if r.fits else "NO", format_bytes(needs), f"{100 * needs / c['hbm_bytes']:.1f}%",
-                     format_bytes(c["hbm_bytes"] - needs), format_bytes(c["peak_bytes"]),
+                     format_bytes(c["hbm_bytes"] - needs), split,
                      f"{c['compile_seconds']:.0f}", format_bytes(r.host_rss_bytes), colls))
     widths = [max(len(str(row[k])) for row in [head, *rows]) for k in range(len(head) - 1)]
     for row in [head, *rows]:
@@ -126,7 +130,8 @@ def _count(n: int) -> str:
 
 
 def write_png(reports: Sequence, path: str) -> None:
-    """A bar per path: HBM needed per chip, against the chip's HBM (a line)."""
+    """A bar per path: HBM needed per chip, split by kind where the buffer assignment allows (parameters,
+    optimizer moments, token batch, temporaries, code), against the chip's HBM (a line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,9 +141,18 @@ def write_png(reports: Sequence, path: str) -> None:
     names = [r.path for r in reports]
     needs = [(r.required_bytes or 0) / 2**30 for r in reports]
     hbm = next((r.compiled["hbm_bytes"] / 2**30 for r in reports if r.compiled), None)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(reports), 4))
+    fig, ax = plt.subplots(figsize=(3.2 + 1.3 * len(reports), 4))
     colors = ["tab:green" if r.fits else ("tab:gray" if r.required_bytes is None else "tab:red") for r in reports]
-    ax.bar(names, needs, color=colors)
+    parts = [r.breakdown() for r in reports]
+    kinds = next((list(p) for p in parts if p is not None), [])
+    bottom = [0.0] * len(reports)
+    for kind, color in zip(kinds, ("tab:blue", "tab:cyan", "tab:olive", "tab:orange", "tab:purple")):
+        heights = [0.0 if p is None else p[kind] / 2**30 for p in parts]
+        ax.bar(names, heights, bottom=bottom, color=color, label=kind)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.bar(names, [0.0 if p is not None else v for p, v in zip(parts, needs)], color=colors)  # no split known
+    if kinds:
+        ax.legend(fontsize=7, loc="upper left")
     for k, (r, v) in enumerate(zip(reports, needs)):
         ax.text(k, v, "not compiled" if r.required_bytes is None else format_bytes(r.required_bytes), ha="center",
                 va="bottom", fontsize=8)

@@ -12,8 +12,9 @@ over as many devices as the topology has chips (an SPMD mesh of that size:
 What the figures are: the compiled program's memory statistics (arguments,
 outputs, temporaries, generated code, and the peak the compiler's buffer
 assignment reaches), per chip; ``fits`` compares what the program needs
-(:attr:`CompiledForTpu.required_bytes`: the larger of that peak and the sum
-of what it holds) with the chip's HBM. A program whose temporaries exceed HBM fails to compile
+(:attr:`CompiledForTpu.required_bytes`: its buffers in HBM as the
+compiler's buffer assignment places them, and its code) with the chip's
+HBM. A program whose temporaries exceed HBM fails to compile
 (``RESOURCE_EXHAUSTED``); that is reported as ``fits=False`` with the
 compiler's message, not raised. What they are not: no step time (nothing
 runs), no host memory of the real job, no data loading.
@@ -98,7 +99,7 @@ class CompiledForTpu:
     def required_bytes(self) -> int:
         """What ``fits`` compares with HBM (:func:`~torch_xla_ext.tpu._client.required_bytes`)."""
         return required_bytes(self.peak_bytes, self.argument_bytes, self.output_bytes, self.alias_bytes,
-                              self.temp_bytes, self.generated_code_bytes)
+                              self.temp_bytes, self.generated_code_bytes, self.hbm_buffer_bytes)
 
     @property
     def headroom_bytes(self) -> int:

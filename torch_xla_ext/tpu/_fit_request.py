@@ -65,7 +65,28 @@ class FitReport:
         from ._client import required_bytes  # torch-free, like this module's parent side
 
         return required_bytes(c["peak_bytes"], c["argument_bytes"], c["output_bytes"], c["alias_bytes"],
-                              c["temp_bytes"], c["generated_code_bytes"])
+                              c["temp_bytes"], c["generated_code_bytes"], c.get("hbm_buffer_bytes"))
+
+
+    def breakdown(self) -> dict[str, int] | None:
+        """What the step holds in HBM per chip, by kind (None: no buffer assignment to split).
+
+        The step's arguments are the parameters, AdamW's two moments (sharded
+        like them, so twice their bytes) and the token batch (int64, sharded
+        over the chips); every other HBM buffer is a temporary of the step
+        (the gradients, the activations kept for the backward, the
+        partitioner's gathered weights), which the buffer assignment does not
+        label; the code is the compiled program's.
+        """
+        c = self.compiled
+        if c is None or c["error"] is not None or c.get("hbm_buffer_bytes") is None:
+            return None
+        tokens = self.batch * self.seq * 8 // self.chips
+        parameters = (c["argument_bytes"] - tokens) // 3
+        return {"parameters": parameters, "optimizer moments": c["argument_bytes"] - tokens - parameters,
+                "token batch": tokens,
+                "temporaries (gradients, activations)": c["hbm_buffer_bytes"] - c["argument_bytes"],
+                "code": c["generated_code_bytes"]}
 
 
 def _exhausted_bytes(message: str) -> int | None:
