@@ -14,8 +14,10 @@ import copy
 
 import pytest
 import torch
+import torch_xla
 import transformers
 
+import torch_xla_ext as txe
 from torch_xla_ext.hf import SPMDTrainer, prepare
 from torch_xla_ext.hf._moe import DENSE, dense_experts_forward, expert_modules
 from torch_xla_ext.testing.tolerances import tolerance
@@ -83,3 +85,11 @@ def test_experts_that_cannot_run_on_the_device_are_refused_before_anything_chang
         prepare(kernels, mesh)
     assert next(kernels.parameters()).device.type == "cpu"  # nothing moved
     assert isinstance(kernels, transformers.MixtralForCausalLM) and not hasattr(kernels, "_txe_prepared")
+
+
+def test_every_layers_router_logits_are_refused_by_a_scanned_stack(mesh):
+    """The load-balancing loss reads every layer's router logits, which one scan cannot hand out."""
+    model = prepare(tiny("mixtral"), mesh, scan=True)
+    ids = torch.randint(0, 128, (8, 16)).to(torch_xla.device())
+    with pytest.raises(txe.ScanInputError, match="output_router_logits"):
+        model(input_ids=ids, labels=ids, output_router_logits=True)

@@ -63,8 +63,9 @@ class _SavesCounted(SPMDSFTTrainer):
         return result
 
 
-def _train(mesh, out, *, train: list[str] = TRAIN, lora: bool = False, evaluate: bool = False, **overrides):
-    model = prepare(tiny("llama"), mesh, scan=True)
+def _train(mesh, out, *, kind: str = "llama", scan: bool = True, train: list[str] = TRAIN, lora: bool = False,
+           evaluate: bool = False, **overrides):
+    model = prepare(tiny(kind), mesh, scan=scan)
     before = [(p, p.detach().cpu()) for p in model.parameters()]  # the model's own parameters, as prepared
     steps = StepCounts()
     trainer = _SavesCounted(model=model, args=sft_arguments(out, max_steps=STEPS, **overrides),
@@ -137,3 +138,16 @@ def test_lora_through_peft_config_with_accumulation_trains_the_adapters_as_on_th
     assert adapters == 3 * 2 * 2  # layers x (q_proj, v_proj) x (A, B)
     assert [c.gathers for c, _ in trainer.saves] == [3 * adapters] * 2
     assert all(torch.equal(p.detach().cpu(), value) for p, value in before)  # the base model is frozen
+
+
+def test_a_mixture_of_experts_logs_trls_load_balancing_loss_as_on_the_cpu(tmp_path, mesh):
+    """TRL turns the router's load-balancing loss on for MoE models (every layer's router logits): a scanned
+    stack refuses to hand those out, so the model is prepared unscanned, and without gradient checkpointing
+    (torch.utils.checkpoint cannot run on XLA, docs/hf.md). TRL's aux_loss metric stays on the device too."""
+    settings = dict(bf16=False, gradient_checkpointing=False)
+    trainer, steps, _ = _train(mesh, tmp_path / "xla", kind="mixtral", scan=False, **settings)
+    assert trainer.aux_loss_enabled
+    reference = cpu_sft_reference("mixtral", tmp_path / "cpu", TRAIN, max_steps=STEPS, **settings)
+    _assert_logs_match(trainer.state.log_history, reference, F32,
+                       ("loss", "aux_loss", "entropy", "mean_token_accuracy"), "num_tokens")
+    assert [(m.d2h, m.gathers) for m in steps.inside[1:]] == [(0, 0)] * (STEPS - 1)
