@@ -55,8 +55,9 @@ settings.load_profile("torch_xla_ext")
 # hands files out in collection order, and a heavy file handed out last keeps one worker busy while the
 # other has nothing left. Replaying that run's per-file times: 1,165 s against 1,091 s in file-name order,
 # 1,128 s each heaviest first (the wall-clock gain was within this host's noise).
-_HEAVIEST_FILES = ("test_hf.py", "test_hf_trainer.py", "test_readme.py", "test_tpu_fit.py", "test_fsdp_compile.py",
-                   "test_hf_interleaved.py", "test_hf_trainer_buckets.py", "test_hf_trainer_bf16.py", "test_scan_refusals.py", "test_hf_trainer_run.py")
+_HEAVIEST_FILES = ("test_hf.py", "test_hf_trainer.py", "test_hf_sft.py", "test_readme.py", "test_tpu_fit.py",
+                   "test_fsdp_compile.py", "test_hf_interleaved.py", "test_hf_trainer_buckets.py",
+                   "test_hf_trainer_bf16.py", "test_scan_refusals.py", "test_hf_trainer_run.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

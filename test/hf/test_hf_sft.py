@@ -151,3 +151,18 @@ def test_a_mixture_of_experts_logs_trls_load_balancing_loss_as_on_the_cpu(tmp_pa
     _assert_logs_match(trainer.state.log_history, reference, F32,
                        ("loss", "aux_loss", "entropy", "mean_token_accuracy"), "num_tokens")
     assert [(m.d2h, m.gathers) for m in steps.inside[1:]] == [(0, 0)] * (STEPS - 1)
+
+
+def test_an_accelerators_own_gather_for_metrics_is_put_back_after_each_loss(tmp_path, mesh):
+    """The loss swaps the accelerator's gather_for_metrics only while TRL's compute_loss runs."""
+    model = prepare(tiny("llama"), mesh, scan=True)
+    trainer = SPMDSFTTrainer(model=model, args=sft_arguments(tmp_path, max_steps=1, bf16=False),
+                             train_dataset=datasets.Dataset.from_dict({"text": TRAIN[:8]}),
+                             processing_class=tokenizer())
+    mine = trainer.accelerator.gather_for_metrics  # the class's method, bound
+    trainer.train()
+    assert "gather_for_metrics" not in vars(trainer.accelerator)
+    assert trainer.accelerator.gather_for_metrics == mine
+    trainer.accelerator.gather_for_metrics = own = lambda value, use_gather_object=False: value
+    trainer.evaluate(datasets.Dataset.from_dict({"text": TRAIN[:8]}))
+    assert trainer.accelerator.gather_for_metrics is own  # the user's own replacement, put back

@@ -74,11 +74,16 @@ def _gathers_kept(accelerator: Any) -> Iterator[list[torch.Tensor]]:
         kept.append(value)
         return torch.zeros(value.shape, dtype=value.dtype)
 
+    own = vars(accelerator)
+    had, previous = "gather_for_metrics" in own, own.get("gather_for_metrics")
     accelerator.gather_for_metrics = keep
     try:
         yield kept
     finally:
-        del accelerator.gather_for_metrics  # the class's method again
+        if had:  # someone's own replacement on this accelerator, put back
+            accelerator.gather_for_metrics = previous
+        else:
+            del accelerator.gather_for_metrics  # the class's method again
 
 
 def _mean_or_zero(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
