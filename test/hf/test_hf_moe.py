@@ -49,28 +49,42 @@ def test_moe_trains_scanned_through_prepare_as_on_the_cpu_reading_nothing(tmp_pa
     assert [(m.d2h, m.gathers) for m in steps.inside[1:]] == [(0, 0)] * (STEPS - 1)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def _experts(kind: str) -> torch.nn.Module:
+    if kind != "gpt_oss":
+        return next(m for _, m in expert_modules(tiny(kind)))
+    # GPT-OSS's experts: biases, transposed weights, gate and up interleaved, a clamped gate of its own
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                       num_local_experts=4, num_experts_per_tok=2)
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)
+    assert experts.has_bias and experts.is_transposed and not experts.is_concatenated
+    return experts
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_the_dense_experts_give_the_routed_sum_and_its_gradients(kind):
     """On the CPU, against the model's own eager experts: values and every gradient (router weights included)."""
-    experts = next(m for _, m in expert_modules(tiny(kind)))
+    experts = _experts(kind)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     mine = copy.deepcopy(experts)
     experts.config._experts_implementation = "eager"
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(24, experts.hidden_dim, generator=g, requires_grad=True)
+    # down_proj is [experts, hidden, intermediate] ([experts, intermediate, hidden] transposed)
+    width, inner = experts.down_proj.shape[1:][::-1] if experts.is_transposed else experts.down_proj.shape[1:]
+    hidden = torch.randn(24, width, generator=g, requires_grad=True)
     index = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(24)])
     weights = torch.rand(24, 2, generator=g).softmax(-1).requires_grad_()
     want = experts(hidden, index, weights)
     got = dense_experts_forward(mine, hidden, index, weights)
     # each output sums 2 experts' down projections of the intermediate width
-    tol = tolerance(torch.float32, 2 * experts.intermediate_dim, scale=float(want.abs().mean()))
+    tol = tolerance(torch.float32, 2 * inner, scale=float(want.abs().mean()))
     torch.testing.assert_close(got, want, **tol)
     cotangent = torch.randn(want.shape, generator=g)
     want_grads = torch.autograd.grad(want, [hidden, weights, *experts.parameters()], cotangent)
     got_grads = torch.autograd.grad(got, [hidden, weights, *mine.parameters()], cotangent)
     for w, m in zip(want_grads, got_grads):
-        torch.testing.assert_close(m, w, **tolerance(torch.float32, 24 * experts.intermediate_dim,
+        torch.testing.assert_close(m, w, **tolerance(torch.float32, 24 * inner,
                                                      scale=float(w.abs().mean())))
 
 
