@@ -27,8 +27,8 @@ from ._masks import causal_mask
 from ._prepare import PreparedOptions, prepare, prepared_options
 from ._scan_stack import ScannedLayers, scan_decoder_layers
 
-__all__ = ["PreparedOptions", "SPMDSFTTrainer", "SPMDTrainer", "ScannedLayers", "causal_mask", "prepare", "prepared_options",
-           "scan_decoder_layers"]
+__all__ = ["PreparedOptions", "SPMDSFTTrainer", "SPMDTrainer", "ScannedLayers", "causal_mask", "prepare",
+           "prepared_options", "scan_decoder_layers"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,8 +10,9 @@ pads every ``[batch, seq]`` column on the right to the next multiple of
 ``labels`` with -100 (ignored by the loss, so the loss and its gradients
 are the unpadded batch's), ``position_ids`` counting on, ``token_type_ids``
 with 0; a padding-free batch (TRL's packing) has its last sequence run on
-into the padding (``seq_idx``, ``cu_seq_lens_*``, ``max_length_*``). A batch with another ``[batch, seq]`` column is refused (its pad
-value is unknown) naming it and ``pad_to_multiple_of=None``.
+into the padding (``seq_idx``, ``cu_seq_lens_*``, ``max_length_*``). A
+batch with another ``[batch, seq]`` column is refused (its pad value is
+unknown) naming it and ``pad_to_multiple_of=None``.
 
 :class:`ShapeWatch` warns once when a training batch has a shape not seen
 before after the first steps (each such shape compiles the step again),
@@ -136,10 +137,11 @@ class ShapeWatch:
         self.steps += 1
         if shape not in self.seen and self.steps > self.warm_up and not self.warned:
             self.warned = True
-            fix = ("pad to fewer lengths: SPMDTrainer(..., pad_to_multiple_of=64) (the default)" if self.multiple is None
+            fix = ("pad to fewer lengths: SPMDTrainer(..., pad_to_multiple_of=64) (the default)"
+                   if self.multiple is None
                    else f"raise SPMDTrainer(..., pad_to_multiple_of=) above {self.multiple}, or pad every batch to "
                         f"one length in the collator (padding='max_length')")
             warnings.warn(f"SPMDTrainer: a new batch shape {shape} at training step {self.steps}; XLA compiles the "
-                          f"step again for each shape ({len(self.seen)} before this one). To compile fewer programs, {fix}.",
-                          stacklevel=3)
+                          f"step again for each shape ({len(self.seen)} before this one). To compile fewer "
+                          f"programs, {fix}.", stacklevel=3)
         self.seen.add(shape)

@@ -114,7 +114,7 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"prepare: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    mesh, _axis = resolve_mesh(mesh)
+    mesh, axis = resolve_mesh(mesh)
     options = PreparedOptions(*_mesh_key(mesh), scan, remat, reshard_after_forward, mp_policy)
     done = prepared_options(model)
     if done is not None:
@@ -154,7 +154,7 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     for layer in stack:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                shard_placement_fn=embeddings_on_hidden(model, axis_size(mesh, _axis)))
+                shard_placement_fn=embeddings_on_hidden(model, axis_size(mesh, axis)))
     if scan:
         scan_decoder_layers(model, stack, partition_fn=remat)
         config.use_cache = False

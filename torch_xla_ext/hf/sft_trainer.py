@@ -109,13 +109,9 @@ class SPMDSFTTrainer(SPMDTrainer, trl.SFTTrainer):
         if self.aux_loss_enabled:
             self._expected_gathers = {mode: count + 1 for mode, count in self._expected_gathers.items()}
 
-    def get_train_dataloader(self) -> Any:
-        """``SPMDTrainer``'s loader, each batch carrying TRL's token count taken on the host before padding."""
-        original, self.data_collator = self.data_collator, _CountTokens(self.data_collator)
-        try:
-            return super().get_train_dataloader()
-        finally:
-            self.data_collator = original
+    def _training_collator(self, collator: Any) -> Any:
+        """``SPMDTrainer``'s training collator, each batch carrying TRL's token count taken before padding."""
+        return super()._training_collator(_CountTokens(collator))
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

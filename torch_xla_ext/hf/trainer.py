@@ -151,17 +151,21 @@ class SPMDTrainer(transformers.Trainer):
 
     # ---- training batches ----
 
+    def _training_collator(self, collator: Any) -> Any:
+        """``collator`` as training batches go through it: padded to a multiple of ``pad_to_multiple_of``
+        (``_buckets``). A subclass wraps it further by extending this."""
+        if self.pad_to_multiple_of is None:
+            return collator
+        config = getattr(self.model, "config", None)
+        causal = type(self.model).__name__.endswith("ForCausalLM") or bool(getattr(config, "is_decoder", False))
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        return BucketPadding(collator, self.pad_to_multiple_of, getattr(config, "pad_token_id", None), causal,
+                             positions if isinstance(positions, int) else None)
+
     def get_train_dataloader(self) -> Any:
-        """Trainer's loader, its batches padded to a multiple of ``pad_to_multiple_of`` (``_buckets``), and the
-        collator's errors kept for this thread (:class:`~._loader_errors.CollatorErrors`)."""
-        collator = self.data_collator
-        if self.pad_to_multiple_of is not None:
-            config = getattr(self.model, "config", None)
-            causal = type(self.model).__name__.endswith("ForCausalLM") or bool(getattr(config, "is_decoder", False))
-            positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-            collator = BucketPadding(collator, self.pad_to_multiple_of, getattr(config, "pad_token_id", None), causal,
-                                     positions if isinstance(positions, int) else None)
-        self._collator_errors = CollatorErrors(collator)
+        """Trainer's loader over :meth:`_training_collator`, the collator's errors kept for this thread
+        (:class:`~._loader_errors.CollatorErrors`)."""
+        self._collator_errors = CollatorErrors(self._training_collator(self.data_collator))
         original, self.data_collator = self.data_collator, self._collator_errors
         try:
             return super().get_train_dataloader()
