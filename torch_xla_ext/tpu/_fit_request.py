@@ -67,7 +67,6 @@ class FitReport:
         return required_bytes(c["peak_bytes"], c["argument_bytes"], c["output_bytes"], c["alias_bytes"],
                               c["temp_bytes"], c["generated_code_bytes"], c.get("hbm_buffer_bytes"))
 
-
     def breakdown(self) -> dict[str, int] | None:
         """What the step holds in HBM per chip, by kind (None: no buffer assignment to split).
 
