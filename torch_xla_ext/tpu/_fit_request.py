@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["FitReport", "PATHS", "DEFAULT_PATHS", "load_config", "parse_path", "lowering_devices"]
+__all__ = ["FitReport", "PATHS", "DEFAULT_PATHS", "load_config", "parse_path", "lowering_devices", "split_hbm"]
 
 #: Set to ``1`` by ``fit`` in a child's environment: the child then prints each phase it starts on stdout,
 #: a line ``PHASE_MARK name``, for the parent's progress.
@@ -68,24 +68,29 @@ class FitReport:
                               c["temp_bytes"], c["generated_code_bytes"], c.get("hbm_buffer_bytes"))
 
     def breakdown(self) -> dict[str, int] | None:
-        """What the step holds in HBM per chip, by kind (None: no buffer assignment to split).
+        """What the step holds in HBM per chip, by kind (:func:`split_hbm`; the token batch is int64)."""
+        return split_hbm(self.compiled, self.batch * self.seq * 8 // self.chips)
 
-        The step's arguments are the parameters, AdamW's two moments (sharded
-        like them, so twice their bytes) and the token batch (int64, sharded
-        over the chips); every other HBM buffer is a temporary of the step
-        (the gradients, the activations kept for the backward, the
-        partitioner's gathered weights), which the buffer assignment does not
-        label; the code is the compiled program's.
-        """
-        c = self.compiled
-        if c is None or c["error"] is not None or c.get("hbm_buffer_bytes") is None:
-            return None
-        tokens = self.batch * self.seq * 8 // self.chips
-        parameters = (c["argument_bytes"] - tokens) // 3
-        return {"parameters": parameters, "optimizer moments": c["argument_bytes"] - tokens - parameters,
-                "token batch": tokens,
-                "temporaries (gradients, activations)": c["hbm_buffer_bytes"] - c["argument_bytes"],
-                "code": c["generated_code_bytes"]}
+
+def split_hbm(compiled: dict[str, Any] | None, token_bytes: int) -> dict[str, int] | None:
+    """What a compiled AdamW step (``tpu.CompiledForTpu`` as a dict) holds in HBM per chip, by kind; None when
+    it did not compile or has no buffer assignment to split.
+
+    The step's arguments are the parameters, AdamW's two moments (sharded
+    like them, so twice their bytes) and the token batch (``token_bytes``
+    per chip); every other HBM buffer is a temporary of the step (the
+    gradients, the activations kept for the backward, the partitioner's
+    gathered weights), which the buffer assignment does not label; the code
+    is the compiled program's.
+    """
+    c = compiled
+    if c is None or c["error"] is not None or c.get("hbm_buffer_bytes") is None:
+        return None
+    parameters = (c["argument_bytes"] - token_bytes) // 3
+    return {"parameters": parameters, "optimizer moments": c["argument_bytes"] - token_bytes - parameters,
+            "token batch": token_bytes,
+            "temporaries (gradients, activations)": c["hbm_buffer_bytes"] - c["argument_bytes"],
+            "code": c["generated_code_bytes"]}
 
 
 def _exhausted_bytes(message: str) -> int | None:
