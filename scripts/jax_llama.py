@@ -271,12 +271,12 @@ def compile_for(config: Any, topology: str, *, batch: int, seq: int, path: str):
     from torch_xla_ext.tpu.fit import parse_path
     from tpu_bench import compile_jax
 
-    scan, remat, bf16 = parse_path(path)
-    if not scan:
+    options = parse_path(path)  # the reference's layers are stored stacked whether or not the path says so
+    if not options.scan:
         raise ValueError(f"jax_llama: the reference step is scanned; {path!r} is not a scan path")
     devices = _client.topology_devices(topology)
     if batch % len(devices):
         raise ValueError(f"jax_llama: batch {batch} does not split over {topology}'s {len(devices)} chips")
     mesh = Mesh(np.array(devices), ("fsdp",))
-    jitted, abstract = train_step(shapes_of(config), remat, bf16, mesh)
+    jitted, abstract = train_step(shapes_of(config), options.remat, options.bf16, mesh)
     return compile_jax(jitted, abstract(batch, seq), topology)

@@ -62,14 +62,16 @@ def _call(config, topology, path, from_shapes=True, batch=16, seq=32):
 
 
 def test_shape_only_step_compiles_to_the_real_steps_figures(config_file):
-    """Loop and scan: placeholders give the real tensors' figures exactly; widening 8 -> 16 gives the 16's."""
+    """Loop, scan and stacked scan: placeholders give the real tensors' figures exactly; widening 8 -> 16 gives
+    the 16's."""
     steps = _steps(8, [_call(config_file, "v5e:2x4", "loop"), _call(config_file, "v5e:2x4", "scan"),
-                       _call(config_file, "v5p:2x2x4", "scan"),
+                       _call(config_file, "v5p:2x2x4", "scan"), _call(config_file, "v5e:2x4", "scan+stacked"),
                        _call(config_file, "v5e:2x4", "loop", from_shapes=False),
-                       _call(config_file, "v5e:2x4", "scan", from_shapes=False)])
-    shapes, real = steps[:3], steps[3:]
+                       _call(config_file, "v5e:2x4", "scan", from_shapes=False),
+                       _call(config_file, "v5e:2x4", "scan+stacked", from_shapes=False)])
+    shapes, real = steps[:4], steps[4:]
     (native,) = _steps(16, [_call(config_file, "v5p:2x2x4", "scan")])
-    for got, want in ((shapes[0], real[0]), (shapes[1], real[1]), (shapes[2], native)):
+    for got, want in ((shapes[0], real[0]), (shapes[1], real[1]), (shapes[2], native), (shapes[3], real[2])):
         assert got["path"] == want["path"]
         assert {k: got["compiled"][k] for k in FIGURES} == {k: want["compiled"][k] for k in FIGURES}
     assert (shapes[2]["lowered_on"], shapes[2]["chips"], native["lowered_on"]) == (8, 16, 16)

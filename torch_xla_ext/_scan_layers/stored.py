@@ -57,10 +57,19 @@ def _key(name: str) -> str:
 
 
 def _stacked_value(members: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(members)`` on the device, sharded like each member on its dims and not over the layers."""
+    """``torch.stack(members)`` on the device, sharded like each member on its dims and not over the layers.
+
+    Members that are shape-only placeholders (``tpu_fit``'s, never sharded
+    before ``fully_shard``) give a placeholder of the stacked shape: the
+    stacked parameter is then the program's argument, as a real stacked
+    parameter's device data is.
+    """
     from .._annotate import _annotated_copy
+    from .._placeholders import is_placeholder, placeholder
     from .stacking import _stacked_sharding, _tiling
 
+    if is_placeholder(members[0]):
+        return placeholder((len(members), *members[0].shape), members[0].dtype)
     with torch.no_grad():
         value = torch.stack([m.detach() for m in members])
     tiling = _tiling(members[0])
@@ -116,9 +125,6 @@ def stack_layers(layers: nn.ModuleList) -> None:
                 raise ScanInputError(f"stack_layers: {where} is the same tensor as {seen[id(p)]}; a parameter "
                                      f"shared between layers or names cannot be stored stacked (untie it first)")
             seen[id(p)] = where
-            if is_placeholder(p):
-                raise ScanInputError(f"stack_layers: {where} is a shape-only placeholder; stack layers that hold "
-                                     f"data (placeholders are for tpu_fit, which does not stack)")
             if applied_spec(p) is not None:
                 raise ScanInputError(f"stack_layers: {where} is already placed by fully_shard; call "
                                      f"stack_layers before fully_shard")
@@ -130,6 +136,10 @@ def stack_layers(layers: nn.ModuleList) -> None:
         if hasattr(layers, _key(name)):
             raise ScanInputError(f"stack_layers: the ModuleList already has an attribute '{_key(name)}'")
     refuse_outside_holders(layers, seen)
+    shapes_only = [is_placeholder(p) for state in states for p in state.values()]
+    if any(shapes_only) and not all(shapes_only):
+        raise ScanInputError("stack_layers: some of these layers' parameters are shape-only placeholders and some "
+                             "hold data; stack layers of one kind (tpu_fit's placeholders, or real tensors)")
 
     stacked = {name: nn.Parameter(_stacked_value([state[name] for state in states]),
                                   requires_grad=states[0][name].requires_grad) for name in names}

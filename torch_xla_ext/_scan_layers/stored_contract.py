@@ -275,6 +275,11 @@ def container_class(cls: type) -> type:
     return cls if issubclass(cls, _Container) else _subclass(cls, _Container, _container_classes)
 
 
+def container_base(cls: type) -> type:
+    """The class :func:`container_class` made ``cls`` from (``cls`` itself for a list that is not stacked)."""
+    return cls.__bases__[1] if issubclass(cls, _Container) else cls
+
+
 def _rebuild_member(base: type) -> nn.Module:
     return object.__new__(member_class(base))
 

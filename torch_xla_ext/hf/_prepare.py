@@ -38,6 +38,7 @@ class PreparedOptions:
     remat: Callable | None
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy
+    stacked: bool = False
 
 
 def prepared_options(model: torch.nn.Module) -> PreparedOptions | None:
@@ -53,8 +54,8 @@ def _mesh_key(mesh: Any) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, .
 
 
 def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, remat: Callable | None = None,
-            reshard_after_forward: bool = True,
-            mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+            reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+            stacked: bool = False) -> torch.nn.Module:
     """Fully shard, scan and mask-proof a ``transformers`` decoder model, in place; returns ``model``.
 
     Args:
@@ -73,6 +74,18 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
         backward (``remat.nothing_saveable`` recomputes each layer from its
         input). Needs ``scan=True``.
       reshard_after_forward, mp_policy: passed to every ``fully_shard`` call.
+      stacked: store the decoder layers' parameters stacked
+        (:func:`torch_xla_ext.stack_layers`: one ``[L, ...]`` parameter per
+        name, each layer reading its row), so the scan reads them with no
+        per-step stacking copy of the weights and gradients (0.41 GiB less
+        HBM per chip in Llama-3-8B's full-remat step on 64 v5p chips).
+        Needs ``scan=True``. State-dict keys stay per layer; the optimizer,
+        gradient clipping and per-parameter options see the stacked
+        parameters (``model.model.layers.get_parameter("mlp/up_proj/weight")``),
+        and what stack_layers cannot keep per layer (a module replaced
+        inside a layer, as PEFT's adapters do, or a hook on one layer's
+        parameter) is refused there with an error. The stacked layers are
+        moved to the XLA device first.
 
     What changes: each decoder layer and the model become fully sharded
     (``fully_shard``; the token embedding and the output head on their
@@ -109,13 +122,17 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     if remat is not None and not scan:
         raise ValueError("prepare: remat applies to the scanned layers' backward; pass scan=True (without scan, "
                          "wrap layers in torch_xla.utils.checkpoint.checkpoint yourself)")
+    if not isinstance(stacked, bool):
+        raise TypeError(f"prepare: stacked must be a bool, got {type(stacked).__name__}")
+    if stacked and not scan:
+        raise ValueError("prepare: stacked=True stores the layers for the scan to read; pass scan=True")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"prepare: reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
     mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"prepare: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     mesh, axis = resolve_mesh(mesh)
-    options = PreparedOptions(*_mesh_key(mesh), scan, remat, reshard_after_forward, mp_policy)
+    options = PreparedOptions(*_mesh_key(mesh), scan, remat, reshard_after_forward, mp_policy, stacked)
     done = prepared_options(model)
     if done is not None:
         if done != options:
@@ -149,6 +166,9 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
                          f"the decoder's mask, so it needs one")
     check_dense_experts(model)
 
+    if stacked:  # stack_layers' own checks, before anything else changes; a refusal moves the layers back
+        _stack_in_place(stack, stack_name)
+
     # Every check passed: from here on the model changes.
     use_dense_experts(model)
     for layer in stack:
@@ -164,6 +184,23 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
     setattr(model, _ATTRIBUTE, options)
     assert isinstance(model, FSDPModule)
     return model
+
+
+def _stack_in_place(stack: torch.nn.ModuleList, name: str) -> None:
+    """``stack_layers(stack)`` on the XLA device; on a refusal the layers go back where they were (ValueError)."""
+    import torch_xla
+
+    from .._scan.errors import ScanInputError
+    from .._scan_layers import stack_layers
+
+    first = next(stack.parameters(), None)
+    stack.to(torch_xla.device())
+    try:
+        stack_layers(stack)
+    except ScanInputError as error:
+        if first is not None:
+            stack.to(first.device)
+        raise ValueError(f"prepare: stacked=True cannot store {name} stacked: {error}") from None
 
 
 def embeddings_on_hidden(model: torch.nn.Module, size: int) -> Callable[[torch.nn.Parameter], int | None]:

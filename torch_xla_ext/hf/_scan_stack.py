@@ -49,6 +49,7 @@ from .._scan.errors import ScanInputError
 from .._scan_layers.groups import POSITIONS, layer_groups
 from .._scan_layers.idle_hooks import capturing_outputs
 from .._scan_layers.layers import _scan_layers
+from .._scan_layers.stored_contract import container_base, container_class
 from ..remat import nothing_saveable
 
 __all__ = ["ScannedLayers", "argument_position", "call_argument", "find_stack", "scan_decoder_layers"]
@@ -135,6 +136,11 @@ class _Leave:
         self.options.local.masks.pop()
 
 
+def _stored(stack: torch.nn.ModuleList) -> bool:
+    """Whether ``stack``'s parameters are stored stacked (``stack_layers``), whose class it then keeps."""
+    return container_base(type(stack)) is not type(stack)
+
+
 class ScannedLayers(torch.nn.ModuleList):
     """A decoder layer list that its owner's forward iterates as one ``scan_layers`` call.
 
@@ -165,7 +171,7 @@ class ScannedLayers(torch.nn.ModuleList):
         """Make this list a plain ``nn.ModuleList`` again (the model loops over its layers in Python)."""
         self._txe_scan.remove_hooks()
         del self._txe_scan
-        self.__class__ = torch.nn.ModuleList
+        self.__class__ = container_class(torch.nn.ModuleList) if _stored(self) else torch.nn.ModuleList
         return self
 
 
@@ -287,7 +293,7 @@ def find_stack(model: torch.nn.Module) -> str:
     config = getattr(model, "config", None)
     count = getattr(config, "num_hidden_layers", None)
     found = [name for name, module in model.named_modules()
-             if type(module) in (torch.nn.ModuleList, ScannedLayers) and len(module) > 0
+             if container_base(type(module)) in (torch.nn.ModuleList, ScannedLayers) and len(module) > 0
              and (count is None or len(module) == count)
              and len({type(layer) for layer in module}) == 1]
     if len(found) != 1:
@@ -334,7 +340,7 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
     stack = model.get_submodule(name)
     if isinstance(stack, ScannedLayers):
         raise ScanInputError(f"scan_decoder_layers: {name} is already scanned")
-    if type(stack) is not torch.nn.ModuleList or not name:
+    if container_base(type(stack)) is not torch.nn.ModuleList or not name:
         raise ScanInputError(f"scan_decoder_layers: {name or 'model'} must be an nn.ModuleList inside the model, got "
                              f"{type(stack).__name__}")
     types = {type(layer).__name__ for layer in stack}
@@ -354,6 +360,6 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
                                           with_kwargs=True)
     post = owner.register_forward_hook(_Leave(options), always_call=True)
     options.hook_ids = (pre.id, post.id)
-    stack.__class__ = ScannedLayers
+    stack.__class__ = container_class(ScannedLayers) if _stored(stack) else ScannedLayers
     stack._txe_scan = options
     return stack

@@ -12,7 +12,8 @@ import json
 import os
 from typing import Any
 
-__all__ = ["FitReport", "PATHS", "DEFAULT_PATHS", "load_config", "parse_path", "lowering_devices", "split_hbm"]
+__all__ = ["FitReport", "Path", "PATHS", "DEFAULT_PATHS", "load_config", "parse_path", "lowering_devices",
+           "split_hbm"]
 
 #: Set to ``1`` by ``fit`` in a child's environment: the child then prints each phase it starts on stdout,
 #: a line ``PHASE_MARK name``, for the parent's progress.
@@ -21,12 +22,25 @@ PHASE_MARK = "tpu-fit-phase:"
 
 #: The paths ``fit`` knows: ``loop`` (the layers run one after another) or
 #: ``scan`` (one ``scan_layers`` loop), a scan's remat policy after ``+``,
-#: and ``+bf16`` for bf16 compute over fp32 parameters and optimizer state
-#: (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``).
-PATHS = ("loop", "scan", "scan+nothing_saveable", "scan+dots_saveable", "loop+bf16", "scan+bf16",
+#: ``+bf16`` for bf16 compute over fp32 parameters and optimizer state
+#: (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``), and a scan's
+#: ``+stacked`` for the layers' parameters stored stacked
+#: (``hf.prepare(..., stacked=True)``).
+_BASE = ("loop", "scan", "scan+nothing_saveable", "scan+dots_saveable", "loop+bf16", "scan+bf16",
          "scan+nothing_saveable+bf16", "scan+dots_saveable+bf16")
+PATHS = _BASE + tuple(p + "+stacked" for p in _BASE if p.startswith("scan"))
 DEFAULT_PATHS = ("loop", "scan", "scan+nothing_saveable")
 _REMAT = ("nothing_saveable", "dots_saveable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """What a path name asks for (:func:`parse_path`)."""
+
+    scan: bool
+    remat: str | None
+    bf16: bool
+    stacked: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +119,13 @@ def _exhausted_bytes(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
 
 
-def parse_path(path: str) -> tuple[bool, str | None, bool]:
-    """``(scan, remat policy name or None, bf16)`` of a path name; ValueError naming the known ones."""
+def parse_path(path: str) -> Path:
+    """The :class:`Path` of a path name; ValueError naming the known ones."""
     if not isinstance(path, str) or path not in PATHS:
         raise ValueError(f"tpu_fit: unknown path {path!r}; known: {', '.join(PATHS)}")
     parts = path.split("+")
-    return parts[0] == "scan", next((p for p in parts if p in _REMAT), None), parts[-1] == "bf16"
+    return Path(parts[0] == "scan", next((p for p in parts if p in _REMAT), None), "bf16" in parts,
+                "stacked" in parts)
 
 
 def load_config(config: Any) -> Any:

@@ -20,7 +20,7 @@ import traceback
 import warnings
 from typing import Any
 
-from ._fit_request import PHASE_MARK, PHASES_ENV, FitReport, load_config, parse_path
+from ._fit_request import PHASE_MARK, PHASES_ENV, FitReport, Path, load_config, parse_path
 
 __all__ = ["compile_step"]
 
@@ -55,14 +55,14 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
     from .. import tpu
     from ._client import topology_devices
 
-    scan, remat, bf16 = parse_path(path)
+    options = parse_path(path)
     cfg = load_config(config)
     chips = len(topology_devices(topology))
     start = time.perf_counter()
     _phase("building the model")
     mesh, devices = _mesh()
     model, count = _model(cfg, from_shapes)
-    _prepare(model, mesh, scan, remat, bf16)
+    _prepare(model, mesh, options)
     if devices != chips:
         _check_placements(model, devices, chips)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -115,16 +115,16 @@ def _model(cfg: Any, from_shapes: bool) -> tuple[Any, int]:
     return model, count
 
 
-def _prepare(model: Any, mesh: Any, scan: bool, remat: str | None, bf16: bool) -> None:
-    """``hf.prepare`` as the path names it: scanned or looped, its remat policy, bf16 compute."""
+def _prepare(model: Any, mesh: Any, path: Path) -> None:
+    """``hf.prepare`` as the path names it: scanned or looped, its remat policy, bf16 compute, stacked storage."""
     import torch
 
     from .. import remat as remat_policies
     from ..distributed import MixedPrecisionPolicy
     from ..hf import prepare
 
-    prepare(model, mesh, scan=scan, remat=None if remat is None else getattr(remat_policies, remat),
-            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
+    prepare(model, mesh, scan=path.scan, remat=None if path.remat is None else getattr(remat_policies, path.remat),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if path.bf16 else None, stacked=path.stacked)
 
 
 def _steady_optimizer(params: list, mesh: Any, from_shapes: bool) -> Any:

@@ -39,12 +39,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._fit_request import (DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, load_config, lowering_devices,
-                           parse_path, split_hbm)
+from ._fit_request import (DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path, load_config,
+                           lowering_devices, parse_path, split_hbm)
 from ._fit_step import compile_step
 
-__all__ = ["FitReport", "PATHS", "DEFAULT_PATHS", "fit", "compile_step", "load_config", "parse_path", "lowering_devices",
-           "split_hbm"]
+__all__ = ["FitReport", "Path", "PATHS", "DEFAULT_PATHS", "fit", "compile_step", "load_config", "parse_path",
+           "lowering_devices", "split_hbm"]
 
 
 #: ``progress(path, phase, seconds)``: the path being sized, the phase its child is in ("starting", "building
