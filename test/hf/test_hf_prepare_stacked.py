@@ -107,3 +107,24 @@ def test_stacked_is_part_of_what_prepare_was_asked(mesh):
     assert prepare(model, mesh, stacked=True) is model and prepared_options(model).stacked
     with pytest.raises(ValueError, match="cannot be prepared again"):
         prepare(model, mesh)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_spmd_trainer_trains_a_stacked_model_as_trainer_on_the_cpu(tmp_path, mesh):
+    from hf_tiny import arguments, token_rows
+    from hf_trainer_helpers import StepCounts, cpu_reference, losses
+    from torch_xla_ext.hf import SPMDTrainer
+
+    train = token_rows(32, 16)
+    steps = StepCounts()
+    # Trainer's AdamW groups leave norms out of weight decay by name: the stacked norms' names keep "layernorm".
+    trainer = SPMDTrainer(model=prepare(tiny("llama"), mesh, stacked=True),
+                          args=arguments(tmp_path / "xla", max_steps=3, logging_steps=1, save_strategy="no",
+                                         weight_decay=0.1),
+                          train_dataset=train, callbacks=[steps])
+    trainer.train()
+    reference = cpu_reference("llama", tmp_path / "cpu", train, max_steps=3, logging_steps=1, save_strategy="no",
+                              weight_decay=0.1)
+    assert losses(trainer) == pytest.approx(reference.losses, rel=1e-5)
+    assert [(m.d2h, m.gathers) for m in steps.inside[1:]] == [(0, 0)] * 2
