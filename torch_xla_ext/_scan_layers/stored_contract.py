@@ -280,6 +280,11 @@ def container_base(cls: type) -> type:
     return cls.__bases__[1] if issubclass(cls, _Container) else cls
 
 
+def rebased(cls: type, base: type) -> type:
+    """The class a list of class ``cls`` takes to become a ``base``: stacked lists stay stacked."""
+    return container_class(base) if issubclass(cls, _Container) else base
+
+
 def _rebuild_member(base: type) -> nn.Module:
     return object.__new__(member_class(base))
 

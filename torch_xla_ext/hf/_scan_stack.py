@@ -49,7 +49,7 @@ from .._scan.errors import ScanInputError
 from .._scan_layers.groups import POSITIONS, layer_groups
 from .._scan_layers.idle_hooks import capturing_outputs
 from .._scan_layers.layers import _scan_layers
-from .._scan_layers.stored_contract import container_base, container_class
+from .._scan_layers.stored_contract import container_base, rebased
 from ..remat import nothing_saveable
 
 __all__ = ["ScannedLayers", "argument_position", "call_argument", "find_stack", "scan_decoder_layers"]
@@ -136,11 +136,6 @@ class _Leave:
         self.options.local.masks.pop()
 
 
-def _stored(stack: torch.nn.ModuleList) -> bool:
-    """Whether ``stack``'s parameters are stored stacked (``stack_layers``), whose class it then keeps."""
-    return container_base(type(stack)) is not type(stack)
-
-
 class ScannedLayers(torch.nn.ModuleList):
     """A decoder layer list that its owner's forward iterates as one ``scan_layers`` call.
 
@@ -171,7 +166,7 @@ class ScannedLayers(torch.nn.ModuleList):
         """Make this list a plain ``nn.ModuleList`` again (the model loops over its layers in Python)."""
         self._txe_scan.remove_hooks()
         del self._txe_scan
-        self.__class__ = container_class(torch.nn.ModuleList) if _stored(self) else torch.nn.ModuleList
+        self.__class__ = rebased(type(self), torch.nn.ModuleList)  # a stacked list stays stacked
         return self
 
 
@@ -360,6 +355,6 @@ def scan_decoder_layers(model: torch.nn.Module, layers: torch.nn.ModuleList | No
                                           with_kwargs=True)
     post = owner.register_forward_hook(_Leave(options), always_call=True)
     options.hook_ids = (pre.id, post.id)
-    stack.__class__ = container_class(ScannedLayers) if _stored(stack) else ScannedLayers
+    stack.__class__ = rebased(type(stack), ScannedLayers)  # a stacked list (stack_layers) stays stacked
     stack._txe_scan = options
     return stack
