@@ -32,6 +32,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # this process only reads configs and reports; nothing runs here
 
@@ -48,6 +49,10 @@ ROWS = {
 }
 
 
+#: ``progress(label, phase, seconds)``: the command line's progress (``tpu-fit``'s own, one line per program).
+Progress = Callable[[str, str, float], None]
+
+
 @dataclasses.dataclass
 class Side:
     """One program's figures: ``compiled`` is ``tpu.CompiledForTpu`` as a dict (None: it did not compile)."""
@@ -57,14 +62,21 @@ class Side:
     host_rss_bytes: int
     error: str | None = None
 
+    def result(self):
+        """``compiled`` as the ``tpu.CompiledForTpu`` it was (None: it did not compile)."""
+        from torch_xla_ext import tpu
+
+        return None if self.compiled is None else tpu.CompiledForTpu(**self.compiled)
+
     def hbm_used(self) -> int | None:
-        c = self.compiled
-        if c is None or c["error"] is not None or c["hbm_buffer_bytes"] is None:
-            return None
-        return c["hbm_buffer_bytes"] + c["generated_code_bytes"]
+        r = self.result()
+        return None if r is None else r.hbm_used_bytes
 
     def collective_bytes(self) -> int | None:
-        return None if self.compiled is None else sum(size for _, size in self.compiled["collectives"].values())
+        from tpu_bench import collective_bytes
+
+        r = self.result()
+        return None if r is None else collective_bytes(r)
 
 
 @dataclasses.dataclass
@@ -78,18 +90,19 @@ class Row:
     reference: Side
 
 
-def ours(config: str, topology: str, batch: int, seq: int, path: str) -> Side:
+def ours(config: str, topology: str, batch: int, seq: int, path: str, progress: Progress) -> Side:
     """``tpu-fit``'s step (its own child process, as the command runs it)."""
     from torch_xla_ext.tpu.fit import fit
 
-    [report] = fit(config, topology, batch=batch, seq=seq, paths=[path], progress=_progress("ours", path))
+    [report] = fit(config, topology, batch=batch, seq=seq, paths=[path],
+                   progress=lambda p, phase, seconds: progress(f"ours {p}", phase, seconds))
     return Side(report.compiled, batch * seq * 8 // report.chips, report.host_rss_bytes, report.error)
 
 
-def reference(config: str, topology: str, batch: int, seq: int, path: str) -> Side:
+def reference(config: str, topology: str, batch: int, seq: int, path: str, progress: Progress) -> Side:
     """``jax_llama.py``'s step, compiled in a child process of its own (its host memory is its own)."""
     request = json.dumps({"config": config, "topology": topology, "batch": batch, "seq": seq, "path": path})
-    tick = _progress("jax reference", path)
+    tick = lambda phase, seconds: progress(f"jax {path}", phase, seconds)  # noqa: E731
     start = time.monotonic()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reference-child", request],
@@ -118,22 +131,6 @@ def _reference_child(request: str) -> None:
     side = Side(dataclasses.asdict(compiled), r["batch"] * r["seq"] * 4 // compiled.chips,  # int32 tokens
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     print(json.dumps(dataclasses.asdict(side)), flush=True)
-
-
-def _progress(who: str, path: str):
-    live = sys.stderr.isatty()
-    last = [None]
-
-    def tick(phase: str, seconds: float) -> None:
-        line = f"{who} {path}: {phase} ({seconds:.0f} s)"
-        if live:
-            sys.stderr.write("\r\033[K" + line + ("\n" if phase in ("done", "failed") else ""))
-        elif phase != last[0]:
-            sys.stderr.write(line + "\n")
-        last[0] = phase
-        sys.stderr.flush()
-
-    return lambda *a: tick(*a[-2:])  # fit's progress passes (path, phase, seconds)
 
 
 def _gib(b: int | None, digits: int = 2) -> str:
@@ -259,16 +256,20 @@ def main() -> int:
         plan = [(args.config, args.topology, args.batch, tuple(args.paths.split(",")))]
     else:
         plan = [ROWS[name] for name in args.rows]
+    from torch_xla_ext.cli.tpu_fit import Progress
+
+    # The reference stores its layers stacked: a "+stacked" path compares with the same reference program.
+    runs = [(config, topology, batch, path, (config, topology, batch, path.replace("+stacked", "")))
+            for config, topology, batch, paths in plan for path in paths]
+    labels = list(dict.fromkeys(label for *_, path, same in runs for label in (f"jax {same[-1]}", f"ours {path}")))
+    progress = Progress(labels, sys.stderr)
     rows = []
-    references: dict[tuple, Side] = {}  # the reference stores its layers stacked: "+stacked" is the same program
-    for config, topology, batch, paths in plan:
-        model = os.path.splitext(os.path.basename(config))[0]
-        for path in paths:
-            same = (config, topology, batch, path.replace("+stacked", ""))
-            if same not in references:
-                references[same] = reference(config, topology, batch, args.seq, same[-1])
-            rows.append(Row(model, topology, batch, args.seq, path, ours(config, topology, batch, args.seq, path),
-                            references[same]))
+    references: dict[tuple, Side] = {}
+    for config, topology, batch, path, same in runs:
+        if same not in references:
+            references[same] = reference(config, topology, batch, args.seq, same[-1], progress)
+        rows.append(Row(os.path.splitext(os.path.basename(config))[0], topology, batch, args.seq, path,
+                        ours(config, topology, batch, args.seq, path, progress), references[same]))
     print_tables(rows)
     ok = goals(rows)
     plot(rows, args.png)
