@@ -138,13 +138,10 @@ def _gib(b: int | None, digits: int = 2) -> str:
 
 
 def _parts(side: Side) -> str:
+    from torch_xla_ext.cli.tpu_fit import split_text
     from torch_xla_ext.tpu.fit import split_hbm
 
-    parts = split_hbm(side.compiled, side.token_bytes)
-    if parts is None:
-        return "-"
-    return "+".join(_gib(parts[k]) for k in ("parameters", "optimizer moments", "temporaries (gradients, activations)",
-                                               "code"))
+    return split_text(split_hbm(side.compiled, side.token_bytes)) or "-"
 
 
 def print_tables(rows: list[Row]) -> None:

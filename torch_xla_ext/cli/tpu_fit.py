@@ -110,10 +110,7 @@ def report_table(reports: Sequence) -> str:
                          "" if needs is None else format_bytes(c["hbm_bytes"] - needs), "",
                          f"{c['compile_seconds']:.0f}", format_bytes(r.host_rss_bytes), c["error"]))
             continue
-        parts = r.breakdown()
-        split = "" if parts is None else "+".join(
-            f"{parts[k] / 2**30:.2f}" for k in ("parameters", "optimizer moments",
-                                                "temporaries (gradients, activations)", "code"))
+        split = split_text(r.breakdown()) or ""
         colls = ", ".join(f"{kind} {count}x {format_bytes(size)}" for kind, (count, size) in sorted(c["collectives"].items()))
         rows.append((r.path, "yes" if r.fits else "NO", format_bytes(needs), f"{100 * needs / c['hbm_bytes']:.1f}%",
                      format_bytes(c["hbm_bytes"] - needs), split,
@@ -123,6 +120,14 @@ def report_table(reports: Sequence) -> str:
         cells = [str(v).ljust(w) for v, w in zip(row, widths)] + [str(row[-1])]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def split_text(parts: dict[str, int] | None) -> str | None:
+    """A step's HBM split (:func:`~torch_xla_ext.tpu.fit.split_hbm`) as ``params+moments+temps+code`` GiB."""
+    if parts is None:
+        return None
+    return "+".join(f"{parts[k] / 2**30:.2f}" for k in ("parameters", "optimizer moments",
+                                                         "temporaries (gradients, activations)", "code"))
 
 
 def _count(n: int) -> str:
