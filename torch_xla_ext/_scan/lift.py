@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -214,6 +215,11 @@ class Lifter(TorchFunctionMode):
             inner = getattr(value, "global_tensor", None)
             return self._swap(inner) if isinstance(inner, torch.Tensor) else value
         if value.device.type != "xla":
+            return value
+        if torch._is_functional_tensor(value) and isinstance(torch._from_functional_tensor(value), FakeTensor):
+            # A value of AOTAutograd's own trace (its fake tensor, behind the functionalization wrapper), handed
+            # unwrapped to the ops it runs for a custom op inside an autograd.Function: never one from outside
+            # fn, which holds device data.
             return value
         if self._standin_for is None:
             raise RuntimeError(
