@@ -90,11 +90,13 @@ class Row:
     reference: Side
 
 
-def ours(config: str, topology: str, batch: int, seq: int, path: str, progress: Progress) -> Side:
-    """``tpu-fit``'s step (its own child process, as the command runs it)."""
+def ours(config: str, topology: str, batch: int, seq: int, path: str, progress: Progress,
+         attention: str | None = None) -> Side:
+    """``tpu-fit``'s step (its own child process, as the command runs it), with ``attention`` (None: the
+    config's own, sdpa)."""
     from torch_xla_ext.tpu.fit import fit
 
-    [report] = fit(config, topology, batch=batch, seq=seq, paths=[path],
+    [report] = fit(config, topology, batch=batch, seq=seq, paths=[path], attention=attention,
                    progress=lambda p, phase, seconds: progress(f"ours {p}", phase, seconds))
     return Side(report.compiled, batch * seq * 8 // report.chips, report.host_rss_bytes, report.error)
 
@@ -241,6 +243,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--paths", default="scan+nothing_saveable", help="comma-separated tpu-fit scan paths")
+    ap.add_argument("--attention", choices=("sdpa", "eager", "flash"), default=None,
+                    help="our step's attention (tpu-fit --attention); the reference's is XLA einsums either way")
     ap.add_argument("--png", default="bench_out/sizing.png")
     ap.add_argument("--reference-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -266,7 +270,9 @@ def main() -> int:
         if same not in references:
             references[same] = reference(config, topology, batch, args.seq, same[-1], progress)
         rows.append(Row(os.path.splitext(os.path.basename(config))[0], topology, batch, args.seq, path,
-                        ours(config, topology, batch, args.seq, path, progress), references[same]))
+                        ours(config, topology, batch, args.seq, path, progress, args.attention), references[same]))
+    if args.attention:
+        print(f"ours with {args.attention} attention; the JAX reference's attention is XLA einsums")
     print_tables(rows)
     ok = goals(rows)
     plot(rows, args.png)

@@ -13,7 +13,7 @@ __all__ = ["add_parser"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tpu-fit`` on the command line's subcommands."""
-    from ..tpu.fit import DEFAULT_PATHS, PATHS
+    from ..tpu.fit import ATTENTIONS, DEFAULT_PATHS, PATHS
 
     p = sub.add_parser(
         "tpu-fit", help="does a transformers model's training step fit a TPU slice (compiled here, from shapes)",
@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
                    help=f"comma-separated, of: {', '.join(PATHS)} (default: %(default)s)")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="the model's attention (default: the config's own); flash: torch_xla's Pallas flash "
+                        "attention kernel, lowered for the TPU")
     p.add_argument("--png", default=None, help="write a bar chart of each path's HBM per chip to this file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per path (default: %(default)s)")
     p.add_argument("--max-host-gb", type=float, default=None,
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     limit = None if args.max_host_gb is None else int(args.max_host_gb * 2**30)
     try:
         reports = fit(args.config, args.topology, batch=args.batch, seq=args.seq, paths=paths,
-                      timeout=args.timeout, max_host_bytes=limit, progress=Progress(paths, sys.stderr))
+                      timeout=args.timeout, max_host_bytes=limit, progress=Progress(paths, sys.stderr),
+                      attention=args.attention)
     except (ValueError, TypeError, TpuUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -92,7 +96,8 @@ def report_table(reports: Sequence) -> str:
              + (f" x {format_bytes(hbm)} HBM" if hbm else "")
              + f"; batch {first.batch} x {first.seq} tokens"
              + (f"; {_count(count)} parameters" if (count := max(r.parameters for r in reports)) else "")
-             + (f"; lowered on {first.lowered_on} virtual devices" if first.lowered_on != first.chips else ""),
+             + (f"; lowered on {first.lowered_on} virtual devices" if first.lowered_on != first.chips else "")
+             + (f"; {first.attention} attention" if first.attention else ""),
              "TPU compiler's figures per chip (AdamW step, parameters and moments in fp32, donated); "
              "no step time, no host memory of the real job"]
     head = ("path", "fits", "needs/chip", "of HBM", "headroom", "params+moments+temps+code GiB", "compile s",

@@ -228,6 +228,10 @@ def embeddings_on_hidden(model: torch.nn.Module, size: int) -> Callable[[torch.n
     return placement
 
 
+def _attention_of(module: torch.nn.Module) -> str | None:
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
 class _MaskOnDevice:
     """The decoder owner's forward pre-hook: a 2-D ``attention_mask`` (or none) becomes the model's 4-D mask.
 
@@ -255,6 +259,8 @@ class _MaskOnDevice:
             batch, seq = shaped.shape[0], shaped.shape[1]
             ones = torch.ones(batch, seq, dtype=torch.long, device=shaped.device)
             position_ids = self._get(args, kwargs, "position_ids")
+            if position_ids is None and _attention_of(module) not in ("sdpa", "eager"):
+                return None  # an attention switched to after prepare (tpu-fit's flash) masks causally itself
             segments = packed_segments(position_ids, batch) if isinstance(position_ids, torch.Tensor) else None
             built = causal_mask(ones, model=module, _segments=segments)
         else:

@@ -30,6 +30,9 @@ _BASE = ("loop", "scan", "scan+nothing_saveable", "scan+dots_saveable", "loop+bf
          "scan+nothing_saveable+bf16", "scan+dots_saveable+bf16")
 PATHS = _BASE + tuple(p + "+stacked" for p in _BASE if p.startswith("scan"))
 DEFAULT_PATHS = ("loop", "scan", "scan+nothing_saveable")
+#: ``fit``'s ``attention``: the model's own attention implementations, and torch_xla's Pallas flash kernel
+#: lowered for the TPU (shape-only, causal and unpadded: :mod:`torch_xla_ext.tpu._flash`).
+ATTENTIONS = ("sdpa", "eager", "flash")
 _REMAT = ("nothing_saveable", "dots_saveable")
 
 
@@ -62,6 +65,8 @@ class FitReport:
     #: (the program is then annotated for every chip: :mod:`torch_xla_ext.tpu._widen`).
     lowered_on: int = 0
     error: str | None = None
+    #: The attention the step was built with (``fit``'s ``attention``; None: the config's own).
+    attention: str | None = None
 
     @property
     def fits(self) -> bool:

@@ -26,7 +26,7 @@ __all__ = ["compile_step"]
 
 
 def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
-                 from_shapes: bool = True) -> FitReport:
+                 from_shapes: bool = True, attention: str | None = None) -> FitReport:
     """This process's part of :func:`fit`: needs torch_xla started with ``lowering_devices(chips)`` devices.
 
     ``from_shapes=False`` builds the same step from real tensors instead
@@ -34,13 +34,18 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
     exist): what the test compares the shape-only program with, on a model
     small enough to hold.
 
+    ``attention``: the model's attention implementation (``"eager"``,
+    ``"sdpa"``; None: the config's own), or ``"flash"``: torch_xla's Pallas
+    flash attention lowered for the TPU (:mod:`._flash`), shape-only.
+
     The shape-only step's pending graph reads placeholders, and a sync that
     executed it would crash the process; it goes with the model, whose
     reference cycles are collected before this returns or raises, so the
     process may go on to execute other work.
     """
     try:
-        return _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes)
+        return _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes,
+                             attention=attention)
     except BaseException as error:
         if from_shapes:  # the error's traceback would keep the failed step's locals, and its graph, alive
             traceback.clear_frames(error.__traceback__)
@@ -50,7 +55,8 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
             gc.collect()
 
 
-def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool) -> FitReport:
+def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool,
+                  attention: str | None) -> FitReport:
     """The phases, in order: mesh, model, prepared model, steady optimizer, batch, lowered step, compiled step."""
     from .. import tpu
     from ._client import topology_devices
@@ -61,21 +67,39 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
     start = time.perf_counter()
     _phase("building the model")
     mesh, devices = _mesh()
-    model, count = _model(cfg, from_shapes)
-    _prepare(model, mesh, options)
-    if devices != chips:
-        _check_placements(model, devices, chips)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _steady_optimizer(params, mesh, from_shapes)
-    step = _training_step(model, optimizer)
-    _phase("lowering the step")
-    tokens = _batch(cfg, batch, seq, mesh, from_shapes, step)
-    loss, donated = _lowered(step, tokens, params, optimizer)
+    implementation, lowering = _attention(attention, mesh, from_shapes)
+    with lowering:
+        model, count = _model(cfg, from_shapes, attention if implementation == attention else None)
+        _prepare(model, mesh, options)
+        if implementation != attention:  # prepare takes sdpa or eager; the layers read the name at each call
+            model.set_attn_implementation(implementation)
+        if devices != chips:
+            _check_placements(model, devices, chips)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = _steady_optimizer(params, mesh, from_shapes)
+        step = _training_step(model, optimizer)
+        _phase("lowering the step")
+        tokens = _batch(cfg, batch, seq, mesh, from_shapes, step)
+        loss, donated = _lowered(step, tokens, params, optimizer)
     lowered = time.perf_counter() - start
     _phase(f"compiling for {topology}")
     result = tpu._compile([loss], topology, donated, widen=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices)
+    return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices,
+                     attention=attention)
+
+
+def _attention(attention: str | None, mesh: Any, from_shapes: bool) -> tuple[str | None, Any]:
+    """The attention implementation to build the model with, and the block to build and lower it in."""
+    import contextlib
+
+    if attention != "flash":
+        return attention, contextlib.nullcontext()
+    if not from_shapes:
+        raise ValueError("tpu_fit: attention='flash' is shape-only (its TPU kernels cannot run here)")
+    from ._flash import ATTENTION_NAME, flash_lowered_for_tpu
+
+    return ATTENTION_NAME, flash_lowered_for_tpu(mesh, "fsdp")
 
 
 def _phase(name: str) -> None:
@@ -95,20 +119,22 @@ def _mesh() -> tuple[Any, int]:
     return xs.Mesh(np.arange(devices), (devices,), ("fsdp",)), devices
 
 
-def _model(cfg: Any, from_shapes: bool) -> tuple[Any, int]:
-    """The causal LM of ``cfg`` in fp32 and its parameter count; from shapes, its parameters are placeholders."""
+def _model(cfg: Any, from_shapes: bool, attention: str | None) -> tuple[Any, int]:
+    """The causal LM of ``cfg`` in fp32 with ``attention`` (None: the config's) and its parameter count; from
+    shapes, its parameters are placeholders."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from .._placeholders import replace_parameters
 
+    chosen = {} if attention is None else {"attn_implementation": attention}
     if from_shapes:
         with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) real and small
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **chosen)
     else:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **chosen)
     count = sum(p.numel() for p in model.parameters())
     if from_shapes:
         replace_parameters(model.modules())
@@ -238,7 +264,8 @@ def _main() -> int:
     """Child process: read a request (JSON) from stdin, print the report as one JSON line."""
     request = json.loads(sys.stdin.read())
     report = compile_step(request["config"], request["topology"], batch=request["batch"], seq=request["seq"],
-                          path=request["path"], from_shapes=request.get("from_shapes", True))
+                          path=request["path"], from_shapes=request.get("from_shapes", True),
+                          attention=request.get("attention"))
     print(json.dumps(dataclasses.asdict(report)))
     sys.stdout.flush()
     os._exit(0)  # placeholders are still alive: nothing may sync them at exit

@@ -39,12 +39,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._fit_request import (DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path, load_config,
-                           lowering_devices, parse_path, split_hbm)
+from ._fit_request import (ATTENTIONS, DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path,
+                           load_config, lowering_devices, parse_path, split_hbm)
 from ._fit_step import compile_step
 
-__all__ = ["FitReport", "Path", "PATHS", "DEFAULT_PATHS", "fit", "compile_step", "load_config", "parse_path",
-           "lowering_devices", "split_hbm"]
+__all__ = ["FitReport", "Path", "PATHS", "DEFAULT_PATHS", "ATTENTIONS", "fit", "compile_step", "load_config",
+           "parse_path", "lowering_devices", "split_hbm"]
 
 
 #: ``progress(path, phase, seconds)``: the path being sized, the phase its child is in ("starting", "building
@@ -54,7 +54,7 @@ Progress = Callable[[str, str, float], None]
 
 def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str] = DEFAULT_PATHS,
         timeout: float = 1800.0, max_host_bytes: int | None = None,
-        progress: Progress | None = None) -> list[FitReport]:
+        progress: Progress | None = None, attention: str | None = None) -> list[FitReport]:
     """Lower and compile one training step per path for ``topology``; a :class:`FitReport` each.
 
     ``batch`` sequences of ``seq`` tokens per step (the whole slice's batch,
@@ -66,7 +66,10 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     (default: 3/4 of this machine's) is stopped and gives a report with
     ``error`` set; a step whose temporaries exceed HBM gives ``fits=False``
     with the compiler's message. ``progress`` is called about five times a
-    second while a path runs (:data:`Progress`).
+    second while a path runs (:data:`Progress`). ``attention``: the model's
+    attention (``"sdpa"``, ``"eager"``; None: the config's own), or
+    ``"flash"``: torch_xla's Pallas flash attention kernel, lowered for the
+    TPU (causal attention over unpadded batches, as the step's are).
     """
     from ._client import topology_devices
 
@@ -74,6 +77,8 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
         raise ValueError(f"tpu_fit: paths must be a non-empty sequence of path names, got {paths!r}")
     for p in paths:
         parse_path(p)
+    if attention is not None and attention not in ATTENTIONS:
+        raise ValueError(f"tpu_fit: attention must be one of {', '.join(ATTENTIONS)} or None, got {attention!r}")
     for name, value in (("batch", batch), ("seq", seq)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"tpu_fit: {name} must be a positive int, got {value!r}")
@@ -84,10 +89,15 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
         raise ValueError(f"tpu_fit: {type(cfg).__name__} ({cfg.model_type!r}) has no causal language model class "
                          f"in transformers; tpu-fit trains AutoModelForCausalLM models")
     chips = len(topology_devices(topology))
+    if attention == "flash" and lowering_devices(chips) != chips:
+        raise ValueError(f"tpu_fit: attention='flash' needs a slice of fewer than 128 chips, got {chips}: a larger "
+                         f"one is lowered on {lowering_devices(chips)} devices and widened, and the kernel's manual "
+                         f"sharding cannot be widened")
     limit = max_host_bytes if max_host_bytes is not None else _machine_bytes() * 3 // 4
     reports = []
     for path in paths:
-        request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path}
+        request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path,
+                   "attention": attention}
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(lowering_devices(chips)),
                "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PHASES_ENV: "1"}
         tick = (lambda phase, seconds, path=path: progress(path, phase, seconds)) if progress else None
@@ -98,7 +108,7 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
             tail = stopped or "the step did not lower or compile: " + (
                 err.strip().splitlines() or [f"exit status {returncode}"])[-1][:300]
             reports.append(FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0,
-                                     lowering_devices(chips), error=tail))
+                                     lowering_devices(chips), error=tail, attention=attention))
         else:
             reports.append(FitReport(**answer))
         if progress:
