@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from ._annotate import is_replicated_spec
-from ._xla import xlac
+from ._xla import wait_for_executions_in_flight, xlac
 from .hlo import HloModule, HloParameter, read_hlo
 
 __all__ = ["LoweringContext", "DEVICE_MAPPING_ENV"]
@@ -151,7 +151,7 @@ class LoweringContext:
             raise ValueError("outputs must contain at least one XLA tensor")
         tensors = [_require_xla_tensor(t, f"outputs[{i}]") for i, t in enumerate(outputs)]
         X = xlac()
-        _wait_for_executions_in_flight(X)
+        wait_for_executions_in_flight()
         # References to the device data the graph reads (no copies), taken now
         # so that later in-place updates of the outputs cannot change answers.
         # torch_xla tags the RNG seed's device data with a reserved id.
@@ -254,7 +254,7 @@ class LoweringContext:
         if not ts:
             return []
         X = xlac()
-        _wait_for_executions_in_flight(X)  # the handles of results in flight are not readable yet
+        wait_for_executions_in_flight()  # the handles of results in flight are not readable yet
         table = self._handles()
         try:
             handles: list[int | None] = list(X._get_tensors_handle(ts))
@@ -311,19 +311,6 @@ class LoweringContext:
     def __repr__(self) -> str:
         state = "built" if self._built else "not built"
         return f"LoweringContext(name={self._name!r}, {state}, device_mapping={self._impl!r})"
-
-
-def _wait_for_executions_in_flight(X) -> None:
-    """Wait for the device's executions in flight before anything reads the graph's device data.
-
-    ``torch_xla.sync()`` returns before its execution finishes; until then each
-    result is a placeholder (under SPMD a sharded one, replicated results
-    included) with no shards yet, and torch_xla 2.9 reads its first shard's
-    handle without checking, both when walking the graph's device data and
-    when lowering it: a segmentation fault. Waiting moves no data: about 2 us
-    when nothing is in flight, else the rest of that execution.
-    """
-    X._xla_wait_device_ops(devices=[])
 
 
 def _handle_or_none(X, t: torch.Tensor) -> int | None:

@@ -26,7 +26,10 @@ not change. A compile made elsewhere (a host read such as ``.cpu()`` or
 first guard) is counted and reported without a diff. Reading the IR costs,
 in guarded blocks only, a walk over Python's tracked objects and time
 proportional to the pending graph (not to its size times the number of
-pending tensors, as torch_xla's live tensors report does).
+pending tensors, as torch_xla's live tensors report does), and a wait for
+the last sync's execution to finish first (its results are read by the new
+graph, and torch_xla 2.9 crashes reading results still in flight): a
+guarded step does not overlap its tracing with the previous step's run.
 
 Threads: torch_xla's metrics are process-wide, so a compile made by another
 thread during the block is counted too; the error says which other Python
@@ -47,7 +50,7 @@ import torch
 
 from ._frames import user_frame
 from ._transfer.metrics import _metric
-from ._xla import xlac
+from ._xla import wait_for_executions_in_flight, xlac
 
 __all__ = ["RecompileError", "no_recompiles"]
 
@@ -115,7 +118,12 @@ def _pending_tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def _pending_ir() -> str:
-    """The pending outputs and their graph, each node once, without tensor ids, in torch_xla's sync order."""
+    """The pending outputs and their graph, each node once, without tensor ids, in torch_xla's sync order.
+
+    It first waits for the executions in flight (:func:`wait_for_executions_in_flight`): the pending
+    graph reads the last sync's results (a step's parameters), which are not readable until then.
+    """
+    wait_for_executions_in_flight()
     pending = _pending_tensors()
     if not pending:
         return ""
