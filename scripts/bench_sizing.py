@@ -236,6 +236,8 @@ def plot(rows: list[Row], out: str) -> None:
 
 
 def main() -> int:
+    from torch_xla_ext.tpu.fit import ATTENTIONS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     ap.add_argument("--config", help="a transformers Llama config.json (instead of --rows)")
@@ -243,7 +245,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--paths", default="scan+nothing_saveable", help="comma-separated tpu-fit scan paths")
-    ap.add_argument("--attention", choices=("sdpa", "eager", "flash"), default=None,
+    ap.add_argument("--attention", choices=ATTENTIONS, default=None,
                     help="our step's attention (tpu-fit --attention); the reference's is XLA einsums either way")
     ap.add_argument("--png", default="bench_out/sizing.png")
     ap.add_argument("--reference-child", help=argparse.SUPPRESS)

@@ -68,10 +68,11 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
     _phase("building the model")
     mesh, devices = _mesh()
     implementation, lowering = _attention(attention, mesh, from_shapes)
+    built_with = None if attention == "flash" else attention  # prepare takes sdpa or eager
     with lowering:
-        model, count = _model(cfg, from_shapes, attention if implementation == attention else None)
+        model, count = _model(cfg, from_shapes, built_with)
         _prepare(model, mesh, options)
-        if implementation != attention:  # prepare takes sdpa or eager; the layers read the name at each call
+        if implementation != built_with:  # the layers read the name at each call
             model.set_attn_implementation(implementation)
         if devices != chips:
             _check_placements(model, devices, chips)

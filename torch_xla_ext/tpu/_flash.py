@@ -38,7 +38,8 @@ _payloads: dict[tuple, str] = {}
 def _trace_for_tpu(kernel: Callable, *args: Any, static_argnums: Any = None, static_argnames: Any = None,
                    use_cache: bool = False, **kwargs: Any) -> tuple[str, list[torch.Tensor]]:
     """What torch_xla's ``trace_pallas`` returns (the kernel's backend config, the tensor arguments), with
-    the kernel lowered for the TPU platform."""
+    the kernel lowered for the TPU platform. Always cached (``use_cache`` is taken and not needed: the key
+    holds every argument)."""
     import jax
     from torch_xla.experimental.custom_kernel import _extract_backend_config, to_jax_shape_dtype_struct
 
