@@ -132,8 +132,8 @@ def test_a_scan_costs_its_body_once_per_trip(device, mesh):
 def test_the_compiler_allocates_a_scans_stacked_outputs_without_filling_them(device, mesh, monkeypatch):
     # Why the loop counter is s32 (_scan/loop.py, MAX_LENGTH): the rows are allocated, not zero-filled first.
     compiled = []
-    real = tpu.compile_hlo
-    monkeypatch.setattr(tpu, "compile_hlo", lambda *a, **k: compiled.append(real(*a, **k)) or compiled[-1])
+    real = _tpu_client.compile_hlo
+    monkeypatch.setattr(_tpu_client, "compile_hlo", lambda *a, **k: compiled.append(real(*a, **k)) or compiled[-1])
     length = 6
     torch.manual_seed(0)
     h = torch.randn(64, 256).to(device)

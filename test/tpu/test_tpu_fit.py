@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import textwrap
 
 import pytest
@@ -103,7 +104,7 @@ def test_a_shape_only_step_that_raised_leaves_nothing_that_a_later_sync_would_ex
         def refuse(*args, **kwargs):
             raise RuntimeError("no compile today")
 
-        tpu._compile = refuse
+        tpu._compile_lowered = refuse
         try:
             tpu_fit.compile_step({config_file!r}, "v5e:2x4", batch=16, seq=32, path="loop")
         except RuntimeError as error:
@@ -114,6 +115,51 @@ def test_a_shape_only_step_that_raised_leaves_nothing_that_a_later_sync_would_ex
     """)
     out = run_surviving(tmp_path, source)
     assert "placeholders left: 0" in out and "executed: 12.0" in out, out
+
+
+def test_the_compile_child_compiles_before_torch_is_imported_and_gives_the_in_process_figures(config_file, tmp_path):
+    """fit's second child: the compiler's host memory does not sit on top of torch's (the child's order is
+    checked), and the figures are those of the same step compiled where it was lowered."""
+    from torch_xla_ext.tpu.fit import _COMPILE_CHILD
+
+    program = tmp_path / "step.hlo.pb"
+    lowered, in_process = _steps(8, [{**_call(config_file, "v5e:2x4", "scan"), "hlo_to": str(program)},
+                                     _call(config_file, "v5e:2x4", "scan")])
+    assert lowered["compiled"] is None and lowered["host_rss_bytes"] > 0 and program.stat().st_size > 0
+    source = textwrap.dedent(f"""
+        import io, json, runpy, sys
+        child = runpy.run_path({_COMPILE_CHILD!r})  # its functions; main() is not run
+        client = child["_client_alone"]()
+        compiled_with_torch = []
+        real = client.compile_sized
+        client.compile_sized = lambda *a: compiled_with_torch.append("torch" in sys.modules) or real(*a)
+        sys.stdin = io.StringIO(json.dumps({{"hlo": {str(program)!r}, "topology": "v5e:2x4"}}))
+        child["main"]()
+        print("compiled with torch imported:", compiled_with_torch, flush=True)
+    """)
+    proc = run_child(["-P", "-c", source], devices=None, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert "compiled with torch imported: [False]" in proc.stdout, proc.stdout
+    answer = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert answer["host_rss_bytes"] > 0
+    assert ({k: answer["compiled"][k] for k in FIGURES} == {k: in_process["compiled"][k] for k in FIGURES})
+
+
+def test_a_compile_child_that_fails_or_runs_past_the_deadline_is_an_error_not_an_answer(tmp_path):
+    import os
+    import time
+
+    from torch_xla_ext.tpu.fit import _COMPILE_CHILD, _child
+
+    program = tmp_path / "step.hlo.pb"
+    program.write_bytes(b"not a program")
+    request, env = {"hlo": str(program), "topology": "v5e:2x4"}, {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    now = time.monotonic()
+    answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], request, env, now + 300, 1 << 40, None, now,
+                           "compiling")
+    assert answer is None and error.startswith("the step did not lower or compile: ") and "Error" in error, error
+    answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], request, env, now - 1, 1 << 40, None, now - 7,
+                           "compiling")
+    assert (answer, error) == (None, "stopped after 6 s")
 
 
 def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):

@@ -31,14 +31,14 @@ def test_flash_steps_lower_the_kernel_for_the_tpu_and_compile_for_a_slice():
         from torch_xla_ext import tpu
         from torch_xla_ext.tpu._fit_step import compile_step
 
-        compile_for_tpu, kernels = tpu._compile, []
+        lower_for_tpu, kernels = tpu._lower, []
 
-        def counting(outputs, topology, donated, **kwargs):  # the step's TPU kernels, as its HLO names them
+        def counting(outputs, topology, donated, widen):  # the step's TPU kernels, as its HLO names them
             hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(outputs) + [after for _, after in donated])
             kernels.append(hlo.count('custom_call_target="tpu_custom_call"'))
-            return compile_for_tpu(outputs, topology, donated, **kwargs)
+            return lower_for_tpu(outputs, topology, donated, widen)
 
-        tpu._compile = counting
+        tpu._lower = counting
         for path in ("loop", "scan+nothing_saveable"):
             for attention in (None, "flash"):
                 r = compile_step({SMALL!r}, "v5e:2x4", batch=16, seq=512, path=path, attention=attention)

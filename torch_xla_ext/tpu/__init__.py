@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -34,8 +32,8 @@ import torch
 from .._format import format_bytes
 from .._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
 from .._placeholders import parameter_shardings
-from ._client import (TpuUnavailable, compile_hlo, computation_cost, hbm_buffer_bytes, required_bytes,
-                          rewrite_entry, topology_devices)
+from ._client import (SizedCompile, TpuUnavailable, compile_sized, computation_cost, required_bytes, rewrite_entry,
+                      topology_devices)
 from ..hlo import HloModule, read_hlo
 from ..lowering import LoweringContext
 from ..transfer_guard import no_host_transfers
@@ -181,6 +179,18 @@ def _compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
     """:func:`compile`. ``widen``: a program lowered on a 1-D mesh of a divisor of the topology's chips is
     annotated for all of them (:mod:`torch_xla_ext.tpu._widen`: how ``tpu_fit`` lowers a slice of 128 chips
     or more)."""
+    return _compile_lowered(_lower(outputs, topology, donated, widen), topology)
+
+
+def _compile_lowered(hlo: bytes, topology: str) -> CompiledForTpu:
+    """Compile :func:`_lower`'s program ``hlo`` for ``topology`` and describe it."""
+    return _described(compile_sized(hlo, topology_devices(topology)), hlo, topology)
+
+
+def _lower(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
+           donated: Sequence[tuple[torch.Tensor, torch.Tensor]], widen: bool) -> bytes:
+    """:func:`compile`'s checks and its program, as a serialized HloModuleProto ready for the TPU compiler:
+    entry parameters sharded, donated buffers aliased, widened to the topology's chips where asked."""
     tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
     if not tensors or not all(isinstance(t, torch.Tensor) and t.device.type == "xla" for t in tensors):
         raise TypeError("tpu.compile: outputs must be an XLA tensor or a non-empty sequence of XLA tensors")
@@ -246,19 +256,19 @@ def _compile(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
             f"({', '.join(cpu_only[:3])}{', ...' if len(cpu_only) > 3 else ''}), which a TPU job's program does "
             f"not have; build the program inside `with tpu.lowering():` (or with {CPU_CODEGEN_ENV}=0)"
         )
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="txe_tpu_") as dump:
-        try:
-            executable = compile_hlo(hlo, devices, dump_to=dump)
-        except Exception as error:  # noqa: BLE001 - XlaRuntimeError; only HBM exhaustion is an answer
-            message = str(error)
-            if "RESOURCE_EXHAUSTED" not in message:
-                raise
-            return CompiledForTpu(topology, len(devices), kind, hbm, False, 0, 0, 0, 0, 0, 0, None, None, 0,
-                                  time.perf_counter() - start, {}, error=message.splitlines()[0][:400])
-        seconds = time.perf_counter() - start
-        buffers = hbm_buffer_bytes(dump)
-    return _describe(executable, lowered, topology, devices, seconds, buffers)
+    return hlo
+
+
+def _described(compiled: SizedCompile, hlo: bytes, topology: str) -> CompiledForTpu:
+    """The figures of ``compiled``, a :func:`~torch_xla_ext.tpu._client.compile_sized` of ``hlo`` for
+    ``topology`` (``tpu_fit`` compiles in a process of its own and describes there: ``_compile_child``)."""
+    devices = topology_devices(topology)
+    if compiled.executable is None:
+        kind = devices[0].device_kind
+        return CompiledForTpu(topology, len(devices), kind, HBM_BYTES[kind], False, 0, 0, 0, 0, 0, 0, None, None,
+                              0, compiled.seconds, {}, error=compiled.refusal)
+    return _describe(compiled.executable, read_hlo(hlo), topology, devices, compiled.seconds,
+                     compiled.hbm_buffer_bytes)
 
 
 def _describe(executable, lowered: HloModule, topology: str, devices: tuple, seconds: float,

@@ -10,15 +10,18 @@ allowed (without it the gradients come out replicated).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
 import re
 import sys
+import tempfile
+import time
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "computation_cost", "rewrite_entry",
-           "required_bytes", "hbm_buffer_bytes"]
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "compile_sized", "SizedCompile",
+           "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
@@ -99,6 +102,36 @@ def compile_hlo(hlo: bytes, devices: tuple, dump_to: str | None = None) -> Any:
         build.debug_options.xla_dump_to = dump_to
     module = jaxlib_ext.mlir.hlo_to_stablehlo(hlo)
     return devices[0].client.compile(module, jaxlib_ext.DeviceList(devices), options)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizedCompile:
+    """One compile of :func:`compile_sized`: the executable, or the compiler's refusal for HBM."""
+
+    executable: Any | None
+    seconds: float
+    #: :func:`hbm_buffer_bytes` of the compile (None: refused, or no buffer assignment written).
+    hbm_buffer_bytes: int | None
+    #: The first line of the compiler's ``RESOURCE_EXHAUSTED`` error when the program's temporaries exceed HBM.
+    refusal: str | None = None
+
+
+def compile_sized(hlo: bytes, devices: tuple) -> SizedCompile:
+    """:func:`compile_hlo` with the compiler's buffer assignment read, timed; running out of HBM is an answer.
+
+    Any other compile error is raised.
+    """
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="txe_tpu_") as dump:
+        try:
+            executable = compile_hlo(hlo, devices, dump_to=dump)
+        except Exception as error:  # noqa: BLE001 - XlaRuntimeError; only HBM exhaustion is an answer
+            message = str(error)
+            if "RESOURCE_EXHAUSTED" not in message:
+                raise
+            return SizedCompile(None, time.perf_counter() - start, None, message.splitlines()[0][:400])
+        seconds = time.perf_counter() - start
+        return SizedCompile(executable, seconds, hbm_buffer_bytes(dump))
 
 
 _ALLOCATION = re.compile(r"allocation \d+: size (\d+), (?:color (\d+), )?")

@@ -57,7 +57,8 @@ class FitReport:
     seq: int
     #: The TPU compiler's figures (``tpu.CompiledForTpu`` as a dict), or None when the step failed to lower.
     compiled: dict[str, Any] | None
-    #: Peak resident memory of the child process that lowered and compiled the step.
+    #: Peak resident memory of the process that lowered and compiled the step; from ``fit``, the larger of
+    #: its two children's (one lowers, then the other compiles).
     host_rss_bytes: int
     lower_seconds: float
     parameters: int

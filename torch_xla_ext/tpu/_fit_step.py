@@ -1,10 +1,12 @@
-"""One path of ``tpu_fit``, in its own child process: the training step lowered from shapes and compiled for a slice.
+"""One path of ``tpu_fit``, in its own child process: the training step lowered from shapes (and compiled for a slice).
 
 The child reads a request (JSON, :mod:`._fit_request`) on stdin and prints
-its :class:`~._fit_request.FitReport` as one JSON line. torch_xla starts
-here with as many virtual devices as the parent chose
-(:func:`~._fit_request.lowering_devices`); a program over placeholders must
-never be executed, so the child leaves with ``os._exit``.
+its :class:`~._fit_request.FitReport` as one JSON line; given ``hlo_to``, it
+writes the lowered program there and leaves compiling it to a second child
+(:mod:`._compile_child`). torch_xla starts here with as many virtual
+devices as the parent chose (:func:`~._fit_request.lowering_devices`); a
+program over placeholders must never be executed, so the child leaves with
+``os._exit``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["compile_step"]
 
 
 def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
-                 from_shapes: bool = True, attention: str | None = None) -> FitReport:
+                 from_shapes: bool = True, attention: str | None = None, hlo_to: str | None = None) -> FitReport:
     """This process's part of :func:`fit`: needs torch_xla started with ``lowering_devices(chips)`` devices.
 
     ``from_shapes=False`` builds the same step from real tensors instead
@@ -38,6 +40,12 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
     ``"sdpa"``; None: the config's own), or ``"flash"``: torch_xla's Pallas
     flash attention lowered for the TPU (:mod:`._flash`), shape-only.
 
+    ``hlo_to``: a file to write the lowered program to (a serialized
+    HloModuleProto, ready for the TPU compiler) instead of compiling it; the
+    report's ``compiled`` is then None. ``fit`` compiles it in a second
+    process (:mod:`._compile_child`), so that the compiler's peak of host
+    memory does not sit on top of torch_xla's.
+
     The shape-only step's pending graph reads placeholders, and a sync that
     executed it would crash the process; it goes with the model, whose
     reference cycles are collected before this returns or raises, so the
@@ -45,7 +53,7 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
     """
     try:
         return _compile_step(config, topology, batch=batch, seq=seq, path=path, from_shapes=from_shapes,
-                             attention=attention)
+                             attention=attention, hlo_to=hlo_to)
     except BaseException as error:
         if from_shapes:  # the error's traceback would keep the failed step's locals, and its graph, alive
             traceback.clear_frames(error.__traceback__)
@@ -56,7 +64,7 @@ def compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str,
 
 
 def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str, from_shapes: bool,
-                  attention: str | None) -> FitReport:
+                  attention: str | None, hlo_to: str | None) -> FitReport:
     """The phases, in order: mesh, model, prepared model, steady optimizer, batch, lowered step, compiled step."""
     from .. import tpu
     from ._client import topology_devices
@@ -82,12 +90,17 @@ def _compile_step(config: Any, topology: str, *, batch: int, seq: int, path: str
         _phase("lowering the step")
         tokens = _batch(cfg, batch, seq, mesh, from_shapes, step)
         loss, donated = _lowered(step, tokens, params, optimizer)
+    hlo = tpu._lower([loss], topology, donated, widen=True)
     lowered = time.perf_counter() - start
-    _phase(f"compiling for {topology}")
-    result = tpu._compile([loss], topology, donated, widen=True)
+    if hlo_to is not None:
+        with open(hlo_to, "wb") as f:
+            f.write(hlo)
+        compiled = None
+    else:
+        _phase(f"compiling for {topology}")
+        compiled = dataclasses.asdict(tpu._compile_lowered(hlo, topology))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return FitReport(path, topology, chips, batch, seq, dataclasses.asdict(result), rss, lowered, count, devices,
-                     attention=attention)
+    return FitReport(path, topology, chips, batch, seq, compiled, rss, lowered, count, devices, attention=attention)
 
 
 def _attention(attention: str | None, mesh: Any, from_shapes: bool) -> tuple[str | None, Any]:
@@ -266,7 +279,7 @@ def _main() -> int:
     request = json.loads(sys.stdin.read())
     report = compile_step(request["config"], request["topology"], batch=request["batch"], seq=request["seq"],
                           path=request["path"], from_shapes=request.get("from_shapes", True),
-                          attention=request.get("attention"))
+                          attention=request.get("attention"), hlo_to=request.get("hlo_to"))
     print(json.dumps(dataclasses.asdict(report)))
     sys.stdout.flush()
     os._exit(0)  # placeholders are still alive: nothing may sync them at exit

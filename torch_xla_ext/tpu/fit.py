@@ -17,9 +17,12 @@ XLA tensor over a data handle with no buffer, 0 bytes however large), so an
 many PJRT CPU devices as the slice has chips (``CPU_NUM_DEVICES``; a CPU
 device costs about 3 MB of host memory), or for 128 chips and more a divisor
 below 128 with the program's shardings widened to every chip
-(:func:`lowering_devices`, :mod:`torch_xla_ext.tpu._widen`). Each path runs in a child process
+(:func:`lowering_devices`, :mod:`torch_xla_ext.tpu._widen`). Each path is lowered in a child process
 of its own: the device count is fixed when torch_xla starts, and a program
-over placeholders must never be executed (torch_xla 2.9 crashes on it).
+over placeholders must never be executed (torch_xla 2.9 crashes on it). A
+second child compiles the program the first wrote, once the first has exited,
+before it imports torch (:mod:`torch_xla_ext.tpu._compile_child`): the TPU
+compiler's own host memory, most of a sizing's, is not added to torch's.
 
 The step is the steady one: the moments exist (as placeholders sharded like
 their parameters), and every parameter and moment the step updates reuses
@@ -31,10 +34,12 @@ data loading, no KV cache (``prepare`` turns it off for training).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +51,9 @@ from ._fit_step import compile_step
 __all__ = ["FitReport", "Path", "PATHS", "DEFAULT_PATHS", "ATTENTIONS", "fit", "compile_step", "load_config",
            "parse_path", "lowering_devices", "split_hbm"]
 
+
+#: The second child of each path, run by its path: ``-m`` would import the package, and so torch, first.
+_COMPILE_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compile_child.py")
 
 #: ``progress(path, phase, seconds)``: the path being sized, the phase its child is in ("starting", "building
 #: the model", "lowering the step", "compiling for ...", then "done" or "failed"), seconds since it started.
@@ -61,10 +69,11 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     sharded over the chips). Every argument is checked before any child
     starts: an unknown path or topology, a config transformers cannot build,
     or a batch or sequence length below 1 raises ``ValueError``
-    (``TpuUnavailable`` without ``.[tpu]``). A child that fails, runs past
-    ``timeout`` seconds or holds more than ``max_host_bytes`` of host memory
-    (default: 3/4 of this machine's) is stopped and gives a report with
-    ``error`` set; a step whose temporaries exceed HBM gives ``fits=False``
+    (``TpuUnavailable`` without ``.[tpu]``). A path is stopped, and its
+    report has ``error`` set, when one of its two children (one lowers, then
+    one compiles) fails or holds more than ``max_host_bytes`` of host memory
+    (default: 3/4 of this machine's), or when the path runs past ``timeout``
+    seconds; a step whose temporaries exceed HBM gives ``fits=False``
     with the compiler's message. ``progress`` is called about five times a
     second while a path runs (:data:`Progress`). ``attention``: the model's
     attention (``"sdpa"``, ``"eager"``; None: the config's own), or
@@ -96,24 +105,51 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     limit = max_host_bytes if max_host_bytes is not None else _machine_bytes() * 3 // 4
     reports = []
     for path in paths:
-        request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path,
-                   "attention": attention}
-        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(lowering_devices(chips)),
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PHASES_ENV: "1"}
         tick = (lambda phase, seconds, path=path: progress(path, phase, seconds)) if progress else None
         started = time.monotonic()
-        returncode, out, err, stopped = _run_child(json.dumps(request), env, timeout, limit, tick)
-        answer = _last_json_line(out)
-        if stopped is not None or returncode != 0 or answer is None:
-            tail = stopped or "the step did not lower or compile: " + (
-                err.strip().splitlines() or [f"exit status {returncode}"])[-1][:300]
-            reports.append(FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0,
-                                     lowering_devices(chips), error=tail, attention=attention))
-        else:
-            reports.append(FitReport(**answer))
+        reports.append(_fit_path(cfg, topology, chips, batch, seq, path, attention, timeout, limit, tick, started))
         if progress:
             progress(path, "failed" if reports[-1].error else "done", time.monotonic() - started)
     return reports
+
+
+def _fit_path(cfg: Any, topology: str, chips: int, batch: int, seq: int, path: str, attention: str | None,
+              timeout: float, limit: int, tick: Callable[[str, float], None] | None, started: float) -> FitReport:
+    """One path: a child lowers the step and writes its program, then a second child compiles it (the
+    lowering process has exited by then: :mod:`._compile_child`). ``timeout`` holds for both together,
+    counted from ``started`` as ``tick``'s seconds are; ``limit`` for each."""
+    devices = lowering_devices(chips)
+    failed = FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0, devices, attention=attention)
+    with tempfile.TemporaryDirectory(prefix="txe_fit_") as work:
+        program = os.path.join(work, "step.hlo.pb")
+        request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path,
+                   "attention": attention, "hlo_to": program}
+        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
+               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PHASES_ENV: "1"}
+        answer, error = _child([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], request, env,
+                               started + timeout, limit, tick, started, "starting")
+        if answer is None:
+            return dataclasses.replace(failed, error=error)
+        lowered = FitReport(**answer)
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+        answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], {"hlo": program, "topology": topology},
+                               env, started + timeout, limit, tick, started, f"compiling for {topology}")
+    if answer is None:
+        return dataclasses.replace(lowered, error=error)
+    return dataclasses.replace(lowered, compiled=answer["compiled"],
+                               host_rss_bytes=max(lowered.host_rss_bytes, answer["host_rss_bytes"]))
+
+
+def _child(command: list[str], request: dict, env: dict, deadline: float, limit: int,
+           tick: Callable[[str, float], None] | None, started: float, phase: str) -> tuple[dict | None, str | None]:
+    """Run one child to its JSON answer: (the answer, None) or (None, why it failed or was stopped)."""
+    returncode, out, err, stopped = _run_child(command, json.dumps(request), env, deadline, limit, tick, started,
+                                               phase)
+    answer = _last_json_line(out)
+    if stopped is None and returncode == 0 and answer is not None:
+        return answer, None
+    return None, stopped or "the step did not lower or compile: " + (
+        err.strip().splitlines() or [f"exit status {returncode}"])[-1][:300]
 
 
 def _machine_bytes() -> int:
@@ -131,21 +167,19 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _run_child(request: str, env: dict, timeout: float, limit: int,
-               tick: Callable[[str, float], None] | None = None) -> tuple[int, str, str, str | None]:
-    """Run one path's child: (exit status, stdout, stderr, why it was stopped or None); ``tick(phase, seconds)``
-    at each poll, with the last phase the child printed."""
-    import tempfile
-
+def _run_child(command: list[str], request: str, env: dict, deadline: float, limit: int,
+               tick: Callable[[str, float], None] | None, started: float,
+               phase: str) -> tuple[int, str, str, str | None]:
+    """Run one child until it exits, is past ``deadline`` (``time.monotonic()``) or holds more than ``limit``
+    bytes: (exit status, stdout, stderr, why it was stopped or None). ``tick(phase, seconds since started)``
+    at each poll, with the last phase the child printed (``phase`` until it prints one)."""
     with (tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err,
           open(f"/proc/self/fd/{out.fileno()}") as watch):  # its own file offset: the child writes at out's
-        proc = subprocess.Popen([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], stdin=subprocess.PIPE,
-                                stdout=out, stderr=err, env=env, text=True)
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, text=True)
         proc.stdin.write(request)
         proc.stdin.close()
         stopped = None
-        started = time.monotonic()
-        phase, partial = "starting", ""
+        partial = ""
         while proc.poll() is None:
             if tick is not None:  # the phase lines the child wrote since the last poll, whole lines only
                 lines = (partial + watch.read()).split("\n")
@@ -154,8 +188,8 @@ def _run_child(request: str, env: dict, timeout: float, limit: int,
                 if marks:
                     phase = marks[-1][len(PHASE_MARK):].strip()
                 tick(phase, time.monotonic() - started)
-            if time.monotonic() - started > timeout:
-                stopped = f"stopped after {timeout:.0f} s"
+            if time.monotonic() > deadline:
+                stopped = f"stopped after {deadline - started:.0f} s"
             elif _rss_bytes(proc.pid) > limit:
                 stopped = (f"stopped at {limit / 2**30:.1f} GiB of host memory, "
                            f"{time.monotonic() - started:.0f} s in")
