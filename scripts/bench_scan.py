@@ -831,7 +831,9 @@ def main() -> int:
           f"over {NUM_DEVICES} virtual CPU devices")
     print(f"layers L={layer_counts}, methods={methods}; per method: 1 compiling step + {args.warmup} warm-up, "
           f"then {args.steps} timed steps interleaved round robin with the other methods; "
-          f"each torch method has its own fresh copy of the same weights; host has {os.cpu_count()} CPU cores")
+          f"each torch method has its own fresh copy of the same weights; host has {os.cpu_count()} CPU cores; "
+          f"torch_xla's CPU client threads: PJRT_NPROC={os.environ.get('PJRT_NPROC', 'unset (XLA: one per device)')} "
+          f"(torch_xla_ext sets twice the devices on a host with fewer cores: its collectives abort otherwise)")
     print(f"torch_xla_ext from {os.path.dirname(torch_xla_ext.__file__)}, torch {torch.__version__}, "
           f"torch_xla {torch_xla.__version__}" + (f", jax {jx[0].__version__}" if jx else ""))
     for n in notes:
