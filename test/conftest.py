@@ -1,7 +1,8 @@
 """Test session setup: an 8-device PJRT CPU client in SPMD mode, and no test left to chance.
 
-The environment must be set before torch_xla is imported, SPMD must be enabled
-before the first XLA tensor exists, and one backward runs on the XLA device
+The environment (devices, threads, the compilation cache's size) must be set
+before torch_xla is imported, SPMD must be enabled before the first XLA
+tensor exists, and one backward runs on the XLA device
 before any test: torch 2.9 sizes autograd's per-device queues at the first
 backward in the process, and after a CPU-only first backward every XLA
 backward fails an internal assert (``device_ready_queues_``).
@@ -23,6 +24,12 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
+# Each program XLA:CPU compiles holds memory mappings of its code until torch_xla's compilation cache
+# drops it (about 6 for a tiny program, more for a large one), and torch_xla keeps thousands. A worker that
+# runs a few hundred tests reached the kernel's limit of mappings per process (vm.max_map_count, 65,530):
+# LLVM then failed with "Cannot allocate memory" and the next run of the half-built program segfaulted.
+# With 128 cached programs the mappings stay flat (300 distinct programs: 1,161 against 2,570 uncapped).
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
 
 from torch_xla_ext._cpu_threads import widen_cpu_client_threads  # noqa: E402
 
