@@ -119,21 +119,20 @@ def _fit_path(cfg: Any, topology: str, chips: int, batch: int, seq: int, path: s
     lowering process has exited by then: :mod:`._compile_child`). ``timeout`` holds for both together,
     counted from ``started`` as ``tick``'s seconds are; ``limit`` for each."""
     devices = lowering_devices(chips)
-    failed = FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0, devices, attention=attention)
+    quiet = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     with tempfile.TemporaryDirectory(prefix="txe_fit_") as work:
         program = os.path.join(work, "step.hlo.pb")
         request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path,
                    "attention": attention, "hlo_to": program}
-        env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PHASES_ENV: "1"}
+        env = {**quiet, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), PHASES_ENV: "1"}
         answer, error = _child([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], request, env,
                                started + timeout, limit, tick, started, "starting")
         if answer is None:
-            return dataclasses.replace(failed, error=error)
+            return FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0, devices, error=error,
+                             attention=attention)
         lowered = FitReport(**answer)
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
         answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], {"hlo": program, "topology": topology},
-                               env, started + timeout, limit, tick, started, f"compiling for {topology}")
+                               quiet, started + timeout, limit, tick, started, f"compiling for {topology}")
     if answer is None:
         return dataclasses.replace(lowered, error=error)
     return dataclasses.replace(lowered, compiled=answer["compiled"],
