@@ -268,3 +268,27 @@ def test_progress_on_a_terminal_is_one_line_rewritten_at_most_once_a_second():
     progress("loop", "done", 1.3)
     assert stream.getvalue() == ("\r\033[K[1/2] loop: lowering the step (0 s)\r\033[K[1/2] loop: lowering the step (1 s)"
                                  "\r\033[K[1/2] loop: done (1 s)\n")
+
+
+def test_a_child_killed_by_a_signal_is_named_in_the_error():
+    import os
+    import time
+
+    from torch_xla_ext.tpu.fit import _child
+
+    now = time.monotonic()
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+    def killed(sig: str, note: str = "") -> str:
+        source = f"import os, signal, sys; sys.stdin.read(); print({note!r}, file=sys.stderr, flush=True); " \
+                 f"os.kill(os.getpid(), signal.{sig})"
+        answer, error = _child([sys.executable, "-c", source], {}, env, now + 300, 1 << 40, None, now, "compiling")
+        assert answer is None
+        return error
+
+    assert killed("SIGKILL", "a log line from before") == (
+        "the step did not lower or compile: killed by SIGKILL, as the kernel's out-of-memory killer does when the "
+        "machine runs out of memory before the path's host-memory limit stops it")
+    assert killed("SIGABRT", "F1128 hlo.cc:12] Check failed: x") == (
+        "the step did not lower or compile: killed by SIGABRT: F1128 hlo.cc:12] Check failed: x")
+    assert killed("SIGSEGV") == "the step did not lower or compile: killed by SIGSEGV"

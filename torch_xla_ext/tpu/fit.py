@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,8 +148,23 @@ def _child(command: list[str], request: dict, env: dict, deadline: float, limit:
     answer = _last_json_line(out)
     if stopped is None and returncode == 0 and answer is not None:
         return answer, None
-    return None, stopped or "the step did not lower or compile: " + (
-        err.strip().splitlines() or [f"exit status {returncode}"])[-1][:300]
+    return None, stopped or "the step did not lower or compile: " + _failure(returncode, err)
+
+
+def _failure(returncode: int, err: str) -> str:
+    """Why a child that ended on its own gave no answer: the signal that killed it, and its last line of stderr."""
+    lines = err.strip().splitlines()
+    last = lines[-1][:300] if lines else None
+    if returncode >= 0:
+        return last or f"exit status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if name == "SIGKILL":  # its stderr says nothing about it: whatever it printed last came before
+        return ("killed by SIGKILL, as the kernel's out-of-memory killer does when the machine runs out of "
+                "memory before the path's host-memory limit stops it")
+    return f"killed by {name}" + (f": {last}" if last else "")
 
 
 def _machine_bytes() -> int:
