@@ -292,3 +292,29 @@ def test_a_child_killed_by_a_signal_is_named_in_the_error():
     assert killed("SIGABRT", "F1128 hlo.cc:12] Check failed: x") == (
         "the step did not lower or compile: killed by SIGABRT: F1128 hlo.cc:12] Check failed: x")
     assert killed("SIGSEGV") == "the step did not lower or compile: killed by SIGSEGV"
+
+
+def test_a_child_is_killed_when_watching_it_raises_and_one_that_exits_unread_is_an_error(tmp_path):
+    import os
+    import time
+
+    from torch_xla_ext.tpu.fit import _child
+
+    now = time.monotonic()
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    pid_file = tmp_path / "pid"
+
+    def interrupted(phase: str, seconds: float) -> None:  # as a notebook's interrupt lands in the poll loop
+        if pid_file.exists() and pid_file.read_text().endswith("\n"):
+            raise KeyboardInterrupt
+
+    sleeper = [sys.executable, "-c", f"import os, sys, time; sys.stdin.read(); "
+                                     f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(600)"]
+    with pytest.raises(KeyboardInterrupt):
+        _child(sleeper, {}, env, now + 300, 1 << 40, interrupted, now, "compiling")
+    assert not os.path.exists(f"/proc/{int(pid_file.read_text())}"), "the child outlived the interrupted watch"
+
+    big = {"pad": "x" * (1 << 20)}  # more than a pipe holds: the write meets the pipe the child closed
+    answer, error = _child([sys.executable, "-c", "import sys; sys.exit('no request wanted')"], big, env, now + 300,
+                           1 << 40, None, now, "compiling")
+    assert (answer, error) == (None, "the step did not lower or compile: no request wanted")

@@ -191,31 +191,45 @@ def _run_child(command: list[str], request: str, env: dict, deadline: float, lim
     with (tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err,
           open(f"/proc/self/fd/{out.fileno()}") as watch):  # its own file offset: the child writes at out's
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, text=True)
-        proc.stdin.write(request)
-        proc.stdin.close()
-        stopped = None
-        partial = ""
-        while proc.poll() is None:
-            if tick is not None:  # the phase lines the child wrote since the last poll, whole lines only
-                lines = (partial + watch.read()).split("\n")
-                partial = lines.pop()
-                marks = [line for line in lines if line.startswith(PHASE_MARK)]
-                if marks:
-                    phase = marks[-1][len(PHASE_MARK):].strip()
-                tick(phase, time.monotonic() - started)
-            if time.monotonic() > deadline:
-                stopped = f"stopped after {deadline - started:.0f} s"
-            elif _rss_bytes(proc.pid) > limit:
-                stopped = (f"stopped at {limit / 2**30:.1f} GiB of host memory, "
-                           f"{time.monotonic() - started:.0f} s in")
-            if stopped is not None:
+        try:
+            stopped = _watch(proc, request, watch, deadline, limit, tick, started, phase)
+        finally:  # an interrupt (KeyboardInterrupt in a notebook) or a raising tick must not leave it compiling
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-                break
-            time.sleep(0.2)
         out.seek(0)
         err.seek(0)
         return proc.returncode, out.read(), err.read(), stopped
+
+
+def _watch(proc: subprocess.Popen, request: str, watch: Any, deadline: float, limit: int,
+           tick: Callable[[str, float], None] | None, started: float, phase: str) -> str | None:
+    """Hand ``proc`` its request and poll it until it exits or must be stopped: why it was stopped, or None."""
+    try:
+        proc.stdin.write(request)
+        proc.stdin.close()
+    except BrokenPipeError:  # it exited before reading: its exit status and stderr say why
+        pass
+    stopped = None
+    partial = ""
+    while proc.poll() is None:
+        if tick is not None:  # the phase lines the child wrote since the last poll, whole lines only
+            lines = (partial + watch.read()).split("\n")
+            partial = lines.pop()
+            marks = [line for line in lines if line.startswith(PHASE_MARK)]
+            if marks:
+                phase = marks[-1][len(PHASE_MARK):].strip()
+            tick(phase, time.monotonic() - started)
+        if time.monotonic() > deadline:
+            stopped = f"stopped after {deadline - started:.0f} s"
+        elif _rss_bytes(proc.pid) > limit:
+            stopped = f"stopped at {limit / 2**30:.1f} GiB of host memory, {time.monotonic() - started:.0f} s in"
+        if stopped is not None:
+            proc.kill()
+            proc.wait()
+            return stopped
+        time.sleep(0.2)
+    return None
 
 
 def _last_json_line(out: str) -> dict | None:
