@@ -34,6 +34,7 @@ data loading, no KV cache (``prepare`` turns it off for training).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -209,7 +210,8 @@ def _watch(proc: subprocess.Popen, request: str, watch: Any, deadline: float, li
         proc.stdin.write(request)
         proc.stdin.close()
     except BrokenPipeError:  # it exited before reading: its exit status and stderr say why
-        pass
+        with contextlib.suppress(BrokenPipeError):  # closed all the same, its unsent buffer dropped
+            proc.stdin.close()
     stopped = None
     partial = ""
     while proc.poll() is None:
