@@ -318,3 +318,64 @@ def test_a_child_is_killed_when_watching_it_raises_and_one_that_exits_unread_is_
     answer, error = _child([sys.executable, "-c", "import sys; sys.exit('no request wanted')"], big, env, now + 300,
                            1 << 40, None, now, "compiling")
     assert (answer, error) == (None, "the step did not lower or compile: no request wanted")
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie no one has reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_child_dies_with_its_parent_even_when_the_parent_is_killed(tmp_path):
+    """A parent killed outright (SIGKILL, or the SIGTERM of `timeout`) runs no cleanup: the kernel kills its
+    child, which asked for that (torch_xla_ext.tpu._parent)."""
+    import signal
+    import subprocess
+    import time
+
+    from torch_xla_ext.tpu import _parent
+
+    pid_file = tmp_path / "child_pid"
+    child = (f"import importlib.util, os, time; "
+             f"spec = importlib.util.spec_from_file_location('p', {_parent.__file__!r}); "
+             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             f"assert m.exit_with_parent(os.getppid()); "
+             f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                                                     f"subprocess.Popen([sys.executable, '-P', '-c', {child!r}]); "
+                                                     f"time.sleep(600)"])
+    try:
+        for _ in range(600):
+            if pid_file.exists() and pid_file.read_text().endswith("\n"):
+                break
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert not _gone(pid)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    for _ in range(200):
+        if _gone(pid):
+            break
+        time.sleep(0.05)
+    assert _gone(pid), "the child outlived its killed parent"
+
+
+@pytest.mark.parametrize("child", ["lowering", "compiling"])
+def test_a_child_whose_parent_died_before_it_started_watching_exits_at_once(child, tmp_path):
+    import os
+    import subprocess
+
+    from torch_xla_ext.tpu._parent import ORPHAN_EXIT_STATUS, PARENT_KEY
+    from torch_xla_ext.tpu.fit import _COMPILE_CHILD
+
+    command = ([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"] if child == "lowering"
+               else [sys.executable, "-P", _COMPILE_CHILD])
+    request = {"hlo": str(tmp_path / "absent.pb"), "config": {}, "topology": "v5e:2x4", "batch": 1, "seq": 1,
+               "path": "scan", PARENT_KEY: os.getpid() + 1}  # fit gives its own pid, the child's parent's
+    proc = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert (proc.returncode, proc.stdout) == (ORPHAN_EXIT_STATUS, ""), proc.stderr[-2000:]

@@ -12,7 +12,7 @@ Only then does it import the package, to describe the compiled program.
 
 The child reads a request on stdin, as JSON: ``hlo``, a file holding the
 serialized HloModuleProto that :func:`~._fit_step.compile_step` wrote, and
-``topology``. It prints ``{"compiled": ..., "host_rss_bytes": ...}`` as one
+``topology`` (and the parent's pid: :mod:`._parent`). It prints ``{"compiled": ..., "host_rss_bytes": ...}`` as one
 JSON line: ``compiled`` is a :class:`~torch_xla_ext.tpu.CompiledForTpu` as a
 dict, ``host_rss_bytes`` this process's peak.
 """
@@ -28,18 +28,21 @@ import resource
 import sys
 from types import ModuleType
 
-_CLIENT = "torch_xla_ext.tpu._client"
+def _alone(name: str) -> ModuleType:
+    """``torch_xla_ext.tpu.<name>`` without its package, under its own name, so the package's import reuses it."""
+    qualified = f"torch_xla_ext.tpu.{name}"
+    if qualified in sys.modules:
+        return sys.modules[qualified]
+    spec = importlib.util.spec_from_file_location(qualified, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _client_alone() -> ModuleType:
-    """:mod:`._client` without its package, under its own name, so the package's import reuses this module."""
-    if _CLIENT in sys.modules:
-        return sys.modules[_CLIENT]
-    spec = importlib.util.spec_from_file_location(_CLIENT, os.path.join(os.path.dirname(__file__), "_client.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_CLIENT] = module
-    spec.loader.exec_module(module)
-    return module
+    """:mod:`._client`, loaded alone."""
+    return _alone("_client")
 
 
 def _release_freed_memory() -> None:
@@ -52,6 +55,8 @@ def _release_freed_memory() -> None:
 
 def main() -> int:
     request = json.loads(sys.stdin.read())
+    parent = _alone("_parent")
+    parent.exit_with_parent(request.get(parent.PARENT_KEY))
     client = _client_alone()
     with open(request["hlo"], "rb") as f:
         hlo = f.read()

@@ -23,6 +23,7 @@ import warnings
 from typing import Any
 
 from ._fit_request import PHASE_MARK, PHASES_ENV, FitReport, Path, load_config, parse_path
+from ._parent import PARENT_KEY, exit_with_parent
 
 __all__ = ["compile_step"]
 
@@ -277,6 +278,7 @@ def _spec_of(p: Any) -> tuple | None:
 def _main() -> int:
     """Child process: read a request (JSON) from stdin, print the report as one JSON line."""
     request = json.loads(sys.stdin.read())
+    exit_with_parent(request.get(PARENT_KEY))
     report = compile_step(request["config"], request["topology"], batch=request["batch"], seq=request["seq"],
                           path=request["path"], from_shapes=request.get("from_shapes", True),
                           attention=request.get("attention"), hlo_to=request.get("hlo_to"))

@@ -49,6 +49,7 @@ from typing import Any
 from ._fit_request import (ATTENTIONS, DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path,
                            load_config, lowering_devices, parse_path, split_hbm)
 from ._fit_step import compile_step
+from ._parent import PARENT_KEY
 
 __all__ = ["FitReport", "Path", "PATHS", "DEFAULT_PATHS", "ATTENTIONS", "fit", "compile_step", "load_config",
            "parse_path", "lowering_devices", "split_hbm"]
@@ -125,7 +126,7 @@ def _fit_path(cfg: Any, topology: str, chips: int, batch: int, seq: int, path: s
     with tempfile.TemporaryDirectory(prefix="txe_fit_") as work:
         program = os.path.join(work, "step.hlo.pb")
         request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path,
-                   "attention": attention, "hlo_to": program}
+                   "attention": attention, "hlo_to": program, PARENT_KEY: os.getpid()}
         env = {**quiet, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), PHASES_ENV: "1"}
         answer, error = _child([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], request, env,
                                started + timeout, limit, tick, started, "starting")
@@ -133,7 +134,8 @@ def _fit_path(cfg: Any, topology: str, chips: int, batch: int, seq: int, path: s
             return FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0, devices, error=error,
                              attention=attention)
         lowered = FitReport(**answer)
-        answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], {"hlo": program, "topology": topology},
+        answer, error = _child([sys.executable, "-P", _COMPILE_CHILD],
+                               {"hlo": program, "topology": topology, PARENT_KEY: os.getpid()},
                                quiet, started + timeout, limit, tick, started, f"compiling for {topology}")
     if answer is None:
         return dataclasses.replace(lowered, error=error)
