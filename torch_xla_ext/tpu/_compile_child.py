@@ -11,10 +11,11 @@ memory the compiler freed back to the system (glibc keeps it otherwise).
 Only then does it import the package, to describe the compiled program.
 
 The child reads a request on stdin, as JSON: ``hlo``, a file holding the
-serialized HloModuleProto that :func:`~._fit_step.compile_step` wrote, and
-``topology`` (and the parent's pid: :mod:`._parent`). It prints ``{"compiled": ..., "host_rss_bytes": ...}`` as one
-JSON line: ``compiled`` is a :class:`~torch_xla_ext.tpu.CompiledForTpu` as a
-dict, ``host_rss_bytes`` this process's peak.
+serialized HloModuleProto that :func:`~._fit_step.compile_step` wrote,
+``topology``, and the parent's pid (:mod:`._parent`). It prints
+``{"compiled": ..., "host_rss_bytes": ...}`` as one JSON line: ``compiled``
+is a :class:`~torch_xla_ext.tpu.CompiledForTpu` as a dict,
+``host_rss_bytes`` this process's peak.
 """
 
 from __future__ import annotations

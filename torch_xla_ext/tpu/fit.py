@@ -196,7 +196,7 @@ def _run_child(command: list[str], request: str, env: dict, deadline: float, lim
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, text=True)
         try:
             stopped = _watch(proc, request, watch, deadline, limit, tick, started, phase)
-        finally:  # an interrupt (KeyboardInterrupt in a notebook) or a raising tick must not leave it compiling
+        finally:  # stopped, or an interrupt (a notebook's KeyboardInterrupt) or a raising tick: it must not go on
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -207,14 +207,13 @@ def _run_child(command: list[str], request: str, env: dict, deadline: float, lim
 
 def _watch(proc: subprocess.Popen, request: str, watch: Any, deadline: float, limit: int,
            tick: Callable[[str, float], None] | None, started: float, phase: str) -> str | None:
-    """Hand ``proc`` its request and poll it until it exits or must be stopped: why it was stopped, or None."""
+    """Hand ``proc`` its request and poll it until it exits (None) or must be stopped (why; the caller kills it)."""
     try:
         proc.stdin.write(request)
         proc.stdin.close()
     except BrokenPipeError:  # it exited before reading: its exit status and stderr say why
         with contextlib.suppress(BrokenPipeError):  # closed all the same, its unsent buffer dropped
             proc.stdin.close()
-    stopped = None
     partial = ""
     while proc.poll() is None:
         if tick is not None:  # the phase lines the child wrote since the last poll, whole lines only
@@ -225,13 +224,9 @@ def _watch(proc: subprocess.Popen, request: str, watch: Any, deadline: float, li
                 phase = marks[-1][len(PHASE_MARK):].strip()
             tick(phase, time.monotonic() - started)
         if time.monotonic() > deadline:
-            stopped = f"stopped after {deadline - started:.0f} s"
-        elif _rss_bytes(proc.pid) > limit:
-            stopped = f"stopped at {limit / 2**30:.1f} GiB of host memory, {time.monotonic() - started:.0f} s in"
-        if stopped is not None:
-            proc.kill()
-            proc.wait()
-            return stopped
+            return f"stopped after {deadline - started:.0f} s"
+        if _rss_bytes(proc.pid) > limit:
+            return f"stopped at {limit / 2**30:.1f} GiB of host memory, {time.monotonic() - started:.0f} s in"
         time.sleep(0.2)
     return None
 
