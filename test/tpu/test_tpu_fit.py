@@ -374,8 +374,28 @@ def test_a_child_whose_parent_died_before_it_started_watching_exits_at_once(chil
 
     command = ([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"] if child == "lowering"
                else [sys.executable, "-P", _COMPILE_CHILD])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: as fit would be had it died before the child looked
     request = {"hlo": str(tmp_path / "absent.pb"), "config": {}, "topology": "v5e:2x4", "batch": 1, "seq": 1,
-               "path": "scan", PARENT_KEY: os.getpid() + 1}  # fit gives its own pid, the child's parent's
+               "path": "scan", PARENT_KEY: gone.pid}
     proc = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert (proc.returncode, proc.stdout) == (ORPHAN_EXIT_STATUS, ""), proc.stderr[-2000:]
+    assert f"process {gone.pid}, which started this one, is gone: exiting" in proc.stderr
+
+
+def test_a_child_started_through_a_launcher_goes_on_while_the_process_that_started_it_lives():
+    """sys.executable may be a launcher that starts python as its child: the parent is then not fit's process."""
+    import os
+    import subprocess
+
+    from torch_xla_ext.tpu import _parent
+
+    child = (f"import importlib.util; "
+             f"spec = importlib.util.spec_from_file_location('p', {_parent.__file__!r}); "
+             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             f"m.exit_with_parent({os.getpid()}); print('went on')")
+    launcher = [sys.executable, "-c", f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', "
+                                      f"{child!r}]))"]
+    proc = subprocess.run(launcher, capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "went on"), proc.stderr[-2000:]
