@@ -129,7 +129,7 @@ def test_the_compile_child_compiles_before_torch_is_imported_and_gives_the_in_pr
     source = textwrap.dedent(f"""
         import io, json, runpy, sys
         child = runpy.run_path({_COMPILE_CHILD!r})  # its functions; main() is not run
-        client = child["_client_alone"]()
+        client = child["_alone"]("_client")
         compiled_with_torch = []
         real = client.compile_sized
         client.compile_sized = lambda *a: compiled_with_torch.append("torch" in sys.modules) or real(*a)

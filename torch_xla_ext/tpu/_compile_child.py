@@ -29,6 +29,7 @@ import resource
 import sys
 from types import ModuleType
 
+
 def _alone(name: str) -> ModuleType:
     """``torch_xla_ext.tpu.<name>`` without its package, under its own name, so the package's import reuses it."""
     qualified = f"torch_xla_ext.tpu.{name}"
@@ -39,11 +40,6 @@ def _alone(name: str) -> ModuleType:
     sys.modules[qualified] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _client_alone() -> ModuleType:
-    """:mod:`._client`, loaded alone."""
-    return _alone("_client")
 
 
 def _release_freed_memory() -> None:
@@ -58,7 +54,7 @@ def main() -> int:
     request = json.loads(sys.stdin.read())
     parent = _alone("_parent")
     parent.exit_with_parent(request.get(parent.PARENT_KEY))
-    client = _client_alone()
+    client = _alone("_client")
     with open(request["hlo"], "rb") as f:
         hlo = f.read()
     compiled = client.compile_sized(hlo, client.topology_devices(request["topology"]))
