@@ -294,6 +294,25 @@ def test_a_child_killed_by_a_signal_is_named_in_the_error():
     assert killed("SIGSEGV") == "the step did not lower or compile: killed by SIGSEGV"
 
 
+def _writes_its_pid_then_sleeps(pid_file) -> str:
+    """Python source: write this process's pid and a newline to ``pid_file``, then sleep for ten minutes."""
+    return f"import os, time; open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(600)"
+
+
+def _written_pid(pid_file) -> int | None:
+    """The pid :func:`_writes_its_pid_then_sleeps` wrote, once written whole; None before."""
+    text = pid_file.read_text() if pid_file.exists() else ""
+    return int(text) if text.endswith("\n") else None
+
+
+def _parent_module_alone() -> str:
+    """Python source that loads ``torch_xla_ext.tpu._parent`` by its path (no package, no torch) as ``m``."""
+    from torch_xla_ext.tpu import _parent
+
+    return (f"import importlib.util; spec = importlib.util.spec_from_file_location('p', {_parent.__file__!r}); "
+            f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); ")
+
+
 def test_a_child_is_killed_when_watching_it_raises_and_one_that_exits_unread_is_an_error(tmp_path):
     import os
     import time
@@ -305,14 +324,14 @@ def test_a_child_is_killed_when_watching_it_raises_and_one_that_exits_unread_is_
     pid_file = tmp_path / "pid"
 
     def interrupted(phase: str, seconds: float) -> None:  # as a notebook's interrupt lands in the poll loop
-        if pid_file.exists() and pid_file.read_text().endswith("\n"):
+        if _written_pid(pid_file) is not None:
             raise KeyboardInterrupt
 
-    sleeper = [sys.executable, "-c", f"import os, sys, time; sys.stdin.read(); "
-                                     f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(600)"]
+    sleeper = [sys.executable, "-c", "import sys; sys.stdin.read(); " + _writes_its_pid_then_sleeps(pid_file)]
     with pytest.raises(KeyboardInterrupt):
         _child(sleeper, {}, env, now + 300, 1 << 40, interrupted, now, "compiling")
-    assert not os.path.exists(f"/proc/{int(pid_file.read_text())}"), "the child outlived the interrupted watch"
+    pid = _written_pid(pid_file)
+    assert pid is not None and not os.path.exists(f"/proc/{pid}"), "the child outlived the interrupted watch"
 
     big = {"pad": "x" * (1 << 20)}  # more than a pipe holds: the write meets the pipe the child closed
     answer, error = _child([sys.executable, "-c", "import sys; sys.exit('no request wanted')"], big, env, now + 300,
@@ -332,28 +351,24 @@ def _gone(pid: int) -> bool:
 def test_a_child_dies_with_its_parent_even_when_the_parent_is_killed(tmp_path):
     """A parent killed outright (SIGKILL, or the SIGTERM of `timeout`) runs no cleanup: the kernel kills its
     child, which asked for that (torch_xla_ext.tpu._parent)."""
+    import os
     import signal
     import subprocess
     import time
 
-    from torch_xla_ext.tpu import _parent
-
     pid_file = tmp_path / "child_pid"
-    child = (f"import importlib.util, os, time; "
-             f"spec = importlib.util.spec_from_file_location('p', {_parent.__file__!r}); "
-             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-             f"assert m.exit_with_parent(os.getppid()); "
-             f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(600)")
+    child = (_parent_module_alone() + "import os; assert m.exit_with_parent(os.getppid()); "
+             + _writes_its_pid_then_sleeps(pid_file))
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
                                                      f"subprocess.Popen([sys.executable, '-P', '-c', {child!r}]); "
                                                      f"time.sleep(600)"])
     try:
         for _ in range(600):
-            if pid_file.exists() and pid_file.read_text().endswith("\n"):
+            if _written_pid(pid_file) is not None:
                 break
             time.sleep(0.05)
-        pid = int(pid_file.read_text())
-        assert not _gone(pid)
+        pid = _written_pid(pid_file)
+        assert pid is not None and not _gone(pid)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
@@ -361,7 +376,10 @@ def test_a_child_dies_with_its_parent_even_when_the_parent_is_killed(tmp_path):
         if _gone(pid):
             break
         time.sleep(0.05)
-    assert _gone(pid), "the child outlived its killed parent"
+    outlived = not _gone(pid)
+    if outlived:  # not left sleeping, holding the run's output open, when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not outlived, "the child outlived its killed parent"
 
 
 @pytest.mark.parametrize("child", ["lowering", "compiling"])
@@ -389,12 +407,7 @@ def test_a_child_started_through_a_launcher_goes_on_while_the_process_that_start
     import os
     import subprocess
 
-    from torch_xla_ext.tpu import _parent
-
-    child = (f"import importlib.util; "
-             f"spec = importlib.util.spec_from_file_location('p', {_parent.__file__!r}); "
-             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-             f"m.exit_with_parent({os.getpid()}); print('went on')")
+    child = _parent_module_alone() + f"m.exit_with_parent({os.getpid()}); print('went on')"
     launcher = [sys.executable, "-c", f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', "
                                       f"{child!r}]))"]
     proc = subprocess.run(launcher, capture_output=True, text=True, timeout=300)
