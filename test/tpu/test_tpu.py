@@ -249,3 +249,33 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
             _tpu_client.topology_devices("v5e:2x4")
     finally:
         _tpu_client.topology_devices.cache_clear()
+
+
+@pytest.mark.parametrize("name, closed", [
+    ("v5p:4x4x4", (True, True, True)),  # one whole cube
+    ("v5p:4x8x8", (True, True, True)),
+    ("v4:4x4x8", (True, True, True)),
+    ("v5p:2x4x4", (False, False, False)),  # less than a cube: a mesh
+    ("v5p:2x2x2", (False, False, False)),
+    ("v5e:16x16", (True, True, False)),  # a whole pod
+    ("v5e:8x16", (False, True, False)),
+    ("v6e:2x4", (False, False, False)),
+    ("v5p:4xfour", (False, False, False)),  # malformed: libtpu refuses it, not this
+])
+def test_a_slice_closes_the_axes_its_real_links_close(name, closed):
+    assert _tpu_client.wraparound(name) == closed
+
+
+def test_a_whole_cube_is_compiled_for_as_the_torus_it_is():
+    topologies, _, xla_client = _tpu_client._jax()
+
+    def described(devices) -> bytes:  # libtpu's own record of the slice, links included
+        return xla_client.get_topology_for_devices(list(devices)).serialize()
+
+    with _tpu_client._quiet_stderr():
+        mesh = topologies.get_topology_desc(topology_name="v5p:4x4x4", platform="tpu").devices
+        torus = topologies.get_topology_desc(topology_name="v5p:4x4x4", platform="tpu", wrap=(True,) * 3).devices
+    assert described(mesh) != described(torus)
+    assert described(_tpu_client.topology_devices("v5p:4x4x4")) == described(torus)
+    assert described(_tpu_client.topology_devices("v5p:2x2x2")) == described(
+        topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices)

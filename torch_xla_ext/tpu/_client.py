@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "topology_devices", "compile_hlo", "compile_sized", "SizedCompile",
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "topology_devices", "compile_hlo", "compile_sized", "SizedCompile",
            "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
@@ -67,13 +67,42 @@ def _jax() -> tuple[Any, Any, Any]:
     return topologies, jaxlib_ext, xla_client
 
 
+def wraparound(name: str) -> tuple[bool, bool, bool]:
+    """Which axes of a slice of topology ``name`` close into rings, as the real slice's links do.
+
+    The compiler plans collectives over the links it is told of, and libtpu's
+    default for a named topology is a mesh, rings closed on no axis. A real
+    slice is a torus where its shape allows: on v4 and v5p every slice built
+    of whole 4x4x4 cubes (each axis a multiple of 4) closes all three axes;
+    on v5e and v6e an axis as long as the pod's, 16 chips, closes. Measured on
+    Llama-3 8B's step for ``v5p:4x4x4``, the mesh plan differed from the
+    torus plan by up to 0.9 GiB of HBM per chip, so sizing for a mesh would
+    size another machine.
+    """
+    generation, _, shape = name.partition(":")
+    try:
+        dims = tuple(int(extent) for extent in shape.split("x"))
+    except ValueError:
+        return (False, False, False)  # libtpu names a malformed topology itself
+    if generation in ("v4", "v5p") and len(dims) == 3 and all(extent % 4 == 0 for extent in dims):
+        return (True, True, True)
+    if generation in ("v5e", "v6e") and len(dims) == 2:
+        return (dims[0] == 16, dims[1] == 16, False)
+    return (False, False, False)
+
+
 @functools.cache
 def topology_devices(name: str) -> tuple:
-    """The compile-only devices of topology ``name`` (``"v5p:2x2x2"``); ValueError for an unknown one."""
+    """The compile-only devices of a slice of topology ``name`` (``"v5p:2x2x2"``); ValueError for an unknown one.
+
+    The slice has the torus links a real one of that shape has (:func:`wraparound`).
+    """
     topologies, _, _ = _jax()
+    wrap = wraparound(name)
+    closed = {"wrap": wrap} if any(wrap) else {}
     with _quiet_stderr():  # libtpu warns that it finds no TPU host: there is none, by design
         try:
-            return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+            return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu", **closed).devices)
         except Exception as error:  # noqa: BLE001 - libtpu's own error type varies by version
             raise ValueError(
                 f"tpu.compile: libtpu does not know the topology {name!r} ({str(error).splitlines()[0][:200]}); "
