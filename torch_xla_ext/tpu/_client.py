@@ -20,8 +20,8 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "topology_devices", "compile_hlo", "compile_sized", "SizedCompile",
-           "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "topology_devices", "compile_hlo", "compile_sized",
+           "SizedCompile", "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
