@@ -254,6 +254,7 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
 @pytest.mark.parametrize("name, closed", [
     ("v5p:4x4x4", (True, True, True)),  # one whole cube
     ("v5p:4x8x8", (True, True, True)),
+    ("v5:4x4x4", (True, True, True)),  # libtpu's other name for v5p
     ("v4:4x4x8", (True, True, True)),
     ("v5p:2x4x4", (False, False, False)),  # less than a cube: a mesh
     ("v5p:2x2x2", (False, False, False)),

@@ -72,19 +72,19 @@ def wraparound(name: str) -> tuple[bool, bool, bool]:
 
     The compiler plans collectives over the links it is told of, and libtpu's
     default for a named topology is a mesh, rings closed on no axis. A real
-    slice is a torus where its shape allows: on v4 and v5p every slice built
-    of whole 4x4x4 cubes (each axis a multiple of 4) closes all three axes;
-    on v5e and v6e an axis as long as the pod's, 16 chips, closes. Measured on
-    Llama-3 8B's step for ``v5p:4x4x4``, the mesh plan differed from the
-    torus plan by up to 0.9 GiB of HBM per chip, so sizing for a mesh would
-    size another machine.
+    slice is a torus where its shape allows: on v4 and v5p (libtpu also names
+    it ``v5``) every slice built of whole 4x4x4 cubes (each axis a multiple
+    of 4) closes all three axes; on v5e and v6e an axis as long as the pod's,
+    16 chips, closes. Measured on Llama-3 8B's step for ``v5p:4x4x4``, the
+    mesh plan differed from the torus plan by up to 0.9 GiB of HBM per chip,
+    so sizing for a mesh would size another machine.
     """
     generation, _, shape = name.partition(":")
     try:
         dims = tuple(int(extent) for extent in shape.split("x"))
     except ValueError:
         return (False, False, False)  # libtpu names a malformed topology itself
-    if generation in ("v4", "v5p") and len(dims) == 3 and all(extent % 4 == 0 for extent in dims):
+    if generation in ("v4", "v5p", "v5") and len(dims) == 3 and all(extent % 4 == 0 for extent in dims):
         return (True, True, True)
     if generation in ("v5e", "v6e") and len(dims) == 2:
         return (dims[0] == 16, dims[1] == 16, False)
