@@ -267,6 +267,11 @@ def test_a_slice_closes_the_axes_its_real_links_close(name, closed):
     assert _tpu_client.wraparound(name) == closed
 
 
+def test_a_slices_links_are_named_as_tpu_fit_prints_them():
+    assert [_tpu_client.links(name) for name in ("v5p:4x4x4", "v5e:16x16", "v5e:8x16", "v5p:2x2x2")] == [
+        "a 3-D torus", "a 2-D torus", "a ring on axis 2, a mesh otherwise", "a mesh"]
+
+
 def test_a_whole_cube_is_compiled_for_as_the_torus_it_is():
     topologies, _, xla_client = _tpu_client._jax()
 

@@ -168,7 +168,7 @@ def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
                       "--batch", "4", "--seq", "32", "--paths", "scan+nothing_saveable", "--png", str(png)],
                      devices=None)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("v5e:2x2: 4 chips x 16.0 GiB HBM; batch 4 x 32 tokens;")
+    assert lines[0].startswith("v5e:2x2 (a mesh): 4 chips x 16.0 GiB HBM; batch 4 x 32 tokens;")
     row = next(line for line in lines if line.startswith("scan+nothing_saveable"))
     assert row.split()[1] == "yes" and "reduce-scatter" in row
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -230,8 +230,8 @@ def test_the_table_shows_a_refused_step_by_what_the_compiler_says_it_needs_and_a
                         error="stopped at 16.0 GiB of host memory, 412 s in")
     assert refused.required_bytes == int(223.23 * gib) and not refused.fits and not stopped.fits
     lines = report_table([refused, stopped]).splitlines()
-    assert lines[0] == ("v5p:8x8x4: 256 chips x 95.0 GiB HBM; batch 256 x 2048 tokens; 70.55B parameters; "
-                        "lowered on 64 virtual devices")
+    assert lines[0] == ("v5p:8x8x4 (a 3-D torus): 256 chips x 95.0 GiB HBM; batch 256 x 2048 tokens; "
+                        "70.55B parameters; lowered on 64 virtual devices")
     scan_row, loop_row = lines[3].split(), lines[4].split()
     assert scan_row[:6] == ["scan", "NO", "223.2", "GiB", "235.0%", "-128.2"]
     assert lines[3].endswith("Exceeded hbm capacity by 127.49G.")

@@ -90,9 +90,11 @@ class Progress:
 
 def report_table(reports: Sequence) -> str:
     """The reports as a table with a heading line: what was measured, and what was not."""
+    from ..tpu._client import links
+
     first = reports[0]
     hbm = next((r.compiled["hbm_bytes"] for r in reports if r.compiled), None)
-    lines = [f"{first.topology}: {first.chips} chips"
+    lines = [f"{first.topology} ({links(first.topology)}): {first.chips} chips"
              + (f" x {format_bytes(hbm)} HBM" if hbm else "")
              + f"; batch {first.batch} x {first.seq} tokens"
              + (f"; {_count(count)} parameters" if (count := max(r.parameters for r in reports)) else "")

@@ -20,8 +20,8 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "topology_devices", "compile_hlo", "compile_sized",
-           "SizedCompile", "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
+__all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "links", "topology_devices", "compile_hlo",
+           "compile_sized", "SizedCompile", "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
@@ -89,6 +89,17 @@ def wraparound(name: str) -> tuple[bool, bool, bool]:
     if generation in ("v5e", "v6e") and len(dims) == 2:
         return (dims[0] == 16, dims[1] == 16, False)
     return (False, False, False)
+
+
+def links(name: str) -> str:
+    """The links :func:`wraparound` gives a slice of topology ``name``, in words: "a 3-D torus", "a mesh"."""
+    axes = len(name.partition(":")[2].split("x"))
+    closed = [axis + 1 for axis, ring in enumerate(wraparound(name)[:axes]) if ring]
+    if not closed:
+        return "a mesh"
+    if len(closed) == axes:
+        return f"a {axes}-D torus"
+    return f"a ring on axis {', '.join(map(str, closed))}, a mesh otherwise"
 
 
 @functools.cache
