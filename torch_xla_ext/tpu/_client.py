@@ -67,6 +67,16 @@ def _jax() -> tuple[Any, Any, Any]:
     return topologies, jaxlib_ext, xla_client
 
 
+def _shape(name: str) -> tuple[str, tuple[int, ...]]:
+    """A topology name's generation and axis extents (``"v5p:4x4x4"``: ``("v5p", (4, 4, 4))``); no extents for a
+    malformed one (libtpu names it in its refusal)."""
+    generation, _, shape = name.partition(":")
+    try:
+        return generation, tuple(int(extent) for extent in shape.split("x"))
+    except ValueError:
+        return generation, ()
+
+
 def wraparound(name: str) -> tuple[bool, bool, bool]:
     """Which axes of a slice of topology ``name`` close into rings, as the real slice's links do.
 
@@ -79,11 +89,7 @@ def wraparound(name: str) -> tuple[bool, bool, bool]:
     mesh plan differed from the torus plan by up to 0.9 GiB of HBM per chip,
     so sizing for a mesh would size another machine.
     """
-    generation, _, shape = name.partition(":")
-    try:
-        dims = tuple(int(extent) for extent in shape.split("x"))
-    except ValueError:
-        return (False, False, False)  # libtpu names a malformed topology itself
+    generation, dims = _shape(name)
     if generation in ("v4", "v5p", "v5") and len(dims) == 3 and all(extent % 4 == 0 for extent in dims):
         return (True, True, True)
     if generation in ("v5e", "v6e") and len(dims) == 2:
@@ -93,7 +99,7 @@ def wraparound(name: str) -> tuple[bool, bool, bool]:
 
 def links(name: str) -> str:
     """The links :func:`wraparound` gives a slice of topology ``name``, in words: "a 3-D torus", "a mesh"."""
-    axes = len(name.partition(":")[2].split("x"))
+    axes = len(_shape(name)[1])
     closed = [axis + 1 for axis, ring in enumerate(wraparound(name)[:axes]) if ring]
     if not closed:
         return "a mesh"
