@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 
 import torch
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import transformers
 
@@ -115,6 +116,19 @@ class Counts:
 
     def __sub__(self, other: Counts) -> Counts:
         return Counts(*(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(Counts)))
+
+
+def programs_run() -> int:
+    """How many programs torch_xla has run so far, counting every one already launched.
+
+    ``torch_xla.sync()`` returns before its program runs, and the
+    ``ExecuteReplicated`` counter moves once it has run, on a thread of the
+    runtime; so a window opened right after a step could count that step's
+    program, or not, by timing. Waiting for the device first (which moves no
+    data) closes that race.
+    """
+    xm.wait_device_ops()
+    return int(met.counter_value("ExecuteReplicated") or 0)
 
 
 class StepCounts(transformers.TrainerCallback):

@@ -13,14 +13,13 @@ import datasets
 import pytest
 import torch
 import torch_xla
-import torch_xla.debug.metrics as met
 from accelerate.state import AcceleratorState
 
 from torch_xla_ext.hf import SPMDSFTTrainer, prepare
 from torch_xla_ext.testing.tolerances import tolerance
 
 from hf_tiny import VOCAB, lora_config, sft_arguments, texts, tiny, tokenizer
-from hf_trainer_helpers import Counts, StepCounts, cpu_sft_reference
+from hf_trainer_helpers import Counts, StepCounts, cpu_sft_reference, programs_run
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -57,9 +56,9 @@ class _SavesCounted(SPMDSFTTrainer):
 
     def _save_checkpoint(self, *args, **kwargs):
         torch_xla.sync()
-        before, runs = Counts.now(), met.counter_value("ExecuteReplicated") or 0
+        runs, before = programs_run(), Counts.now()
         result = super()._save_checkpoint(*args, **kwargs)
-        self.saves.append((Counts.now() - before, (met.counter_value("ExecuteReplicated") or 0) - runs))
+        self.saves.append((Counts.now() - before, programs_run() - runs))
         return result
 
 

@@ -11,12 +11,11 @@ Trainer's defaults, its checkpoints and its resume: ``test_hf_trainer_run.py``.
 from __future__ import annotations
 
 import pytest
-import torch_xla.debug.metrics as met
 
 from torch_xla_ext.hf import SPMDTrainer, prepare
 
 from hf_tiny import arguments, tiny, token_rows
-from hf_trainer_helpers import Counts, StepCounts, cpu_reference, losses
+from hf_trainer_helpers import Counts, StepCounts, cpu_reference, losses, programs_run
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -77,9 +76,9 @@ class _LoggedStepCounts(SPMDTrainer):
     windows: list
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
-        before, runs = Counts.now(), int(met.counter_value("ExecuteReplicated") or 0)
+        runs, before = programs_run(), Counts.now()
         super()._maybe_log_save_evaluate(*args, **kwargs)
-        self.windows.append((Counts.now() - before, int(met.counter_value("ExecuteReplicated") or 0) - runs))
+        self.windows.append((Counts.now() - before, programs_run() - runs))
 
 
 def test_a_logged_step_reads_the_loss_and_the_gradient_norm_and_nothing_else(tmp_path, mesh):
