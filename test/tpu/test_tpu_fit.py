@@ -57,6 +57,14 @@ def config_file(tmp_path_factory):
     return str(path)
 
 
+def _answer(command, request, env, deadline, limit, tick, started, phase):
+    """Start ``command`` as fit starts a child, hand it ``request`` and watch it to its answer."""
+    from torch_xla_ext.tpu.fit import _Child
+
+    with _Child(command, env) as child:
+        return child.answer(request, deadline, limit, tick, started, phase)
+
+
 def _call(config, topology, path, from_shapes=True, batch=16, seq=32):
     return {"config": config, "topology": topology, "batch": batch, "seq": seq, "path": path,
             "from_shapes": from_shapes}
@@ -148,16 +156,16 @@ def test_a_compile_child_that_fails_or_runs_past_the_deadline_is_an_error_not_an
     import os
     import time
 
-    from torch_xla_ext.tpu.fit import _COMPILE_CHILD, _child
+    from torch_xla_ext.tpu.fit import _COMPILE_CHILD
 
     program = tmp_path / "step.hlo.pb"
     program.write_bytes(b"not a program")
     request, env = {"hlo": str(program), "topology": "v5e:2x4"}, {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     now = time.monotonic()
-    answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], request, env, now + 300, 1 << 40, None, now,
+    answer, error = _answer([sys.executable, "-P", _COMPILE_CHILD], request, env, now + 300, 1 << 40, None, now,
                            "compiling")
     assert answer is None and error.startswith("the step did not lower or compile: ") and "Error" in error, error
-    answer, error = _child([sys.executable, "-P", _COMPILE_CHILD], request, env, now - 1, 1 << 40, None, now - 7,
+    answer, error = _answer([sys.executable, "-P", _COMPILE_CHILD], request, env, now - 1, 1 << 40, None, now - 7,
                            "compiling")
     assert (answer, error) == (None, "stopped after 6 s")
 
@@ -178,27 +186,68 @@ def test_cli_prints_a_table_and_writes_a_png(config_file, tmp_path):
                       ("starting", "building the model", "lowering the step", "compiling for v5e:2x2", "done")], proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--topology", "v5q:9x9"], "does not know the topology"),
-    (["--config", "no-such-model-type"], "ships no config for 'no-such-model-type'"),
-    (["--config", "vit"], "has no causal language model class"),
-    (["--paths", "scan+flash"], "unknown path 'scan+flash'"),
-    (["--batch", "0"], "batch must be a positive int"),
+@pytest.mark.parametrize("args, message, imported", [
+    (["--topology", "v5q:9x9"], "does not know the topology", False),
+    (["--config", "no-such-model-type"], "ships no config for 'no-such-model-type'", True),
+    (["--config", "vit"], "has no causal language model class", True),
+    (["--paths", "scan+flash"], "unknown path 'scan+flash'", False),
+    (["--batch", "0"], "batch must be a positive int", False),
 ])
-def test_cli_refuses_bad_arguments_before_compiling(config_file, args, message, capsys, monkeypatch):
+def test_cli_refuses_bad_arguments_before_a_child_is_handed_work(config_file, args, message, imported, capsys,
+                                                                 monkeypatch):
+    """The topology, paths and sizes are checked before any child starts; the config is read while the first
+    child imports, and a config refused kills that child before it is handed a request."""
     from torch_xla_ext import tpu_fit
     from torch_xla_ext.cli.main import main
 
-    def no_child(*args, **kwargs):
-        raise AssertionError("a child started")
+    started = []
 
-    monkeypatch.setattr(tpu_fit, "_run_child", no_child)
+    class Importing:  # what fit sees of a child: this one only records what fit does with it
+        def __init__(self, command, env):
+            self.closed = False
+            started.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.close()
+
+        def close(self):
+            self.closed = True
+
+        def answer(self, *args):
+            raise AssertionError("a child was handed a request")
+
+    monkeypatch.setattr(tpu_fit, "_Child", Importing)
     base = {"--config": config_file, "--topology": "v5e:2x2", "--batch": "4", "--seq": "32"}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
     assert main(["tpu-fit", *[word for pair in base.items() for word in pair]]) == 2
     out, err = capsys.readouterr()
     assert message in err and out == ""
+    assert [child.closed for child in started] == ([True] if imported else [])
+
+
+def test_a_config_refused_kills_the_child_that_was_importing(monkeypatch):
+    import time
+
+    from torch_xla_ext import tpu_fit
+
+    started = []
+
+    class Recorded(tpu_fit._Child):
+        def __init__(self, command, env):
+            super().__init__(command, env)
+            started.append(self)
+
+    monkeypatch.setattr(tpu_fit, "_Child", Recorded)
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="has no causal language model class"):
+        tpu_fit.fit("vit", "v5e:2x2", batch=4, seq=32, paths=["scan"])
+    assert len(started) == 1
+    # Killed by fit as it raised (the child imports for seconds before it would read a request).
+    assert started[0].proc.returncode == -9, (started[0].proc.returncode, time.monotonic() - began)
 
 
 def test_a_placement_that_depends_on_the_device_count_is_refused():
@@ -274,15 +323,13 @@ def test_a_child_killed_by_a_signal_is_named_in_the_error():
     import os
     import time
 
-    from torch_xla_ext.tpu.fit import _child
-
     now = time.monotonic()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
     def killed(sig: str, note: str = "") -> str:
         source = f"import os, signal, sys; sys.stdin.read(); print({note!r}, file=sys.stderr, flush=True); " \
                  f"os.kill(os.getpid(), signal.{sig})"
-        answer, error = _child([sys.executable, "-c", source], {}, env, now + 300, 1 << 40, None, now, "compiling")
+        answer, error = _answer([sys.executable, "-c", source], {}, env, now + 300, 1 << 40, None, now, "compiling")
         assert answer is None
         return error
 
@@ -317,8 +364,6 @@ def test_a_child_is_killed_when_watching_it_raises_and_one_that_exits_unread_is_
     import os
     import time
 
-    from torch_xla_ext.tpu.fit import _child
-
     now = time.monotonic()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     pid_file = tmp_path / "pid"
@@ -329,12 +374,12 @@ def test_a_child_is_killed_when_watching_it_raises_and_one_that_exits_unread_is_
 
     sleeper = [sys.executable, "-c", "import sys; sys.stdin.read(); " + _writes_its_pid_then_sleeps(pid_file)]
     with pytest.raises(KeyboardInterrupt):
-        _child(sleeper, {}, env, now + 300, 1 << 40, interrupted, now, "compiling")
+        _answer(sleeper, {}, env, now + 300, 1 << 40, interrupted, now, "compiling")
     pid = _written_pid(pid_file)
     assert pid is not None and not os.path.exists(f"/proc/{pid}"), "the child outlived the interrupted watch"
 
     big = {"pad": "x" * (1 << 20)}  # more than a pipe holds: the write meets the pipe the child closed
-    answer, error = _child([sys.executable, "-c", "import sys; sys.exit('no request wanted')"], big, env, now + 300,
+    answer, error = _answer([sys.executable, "-c", "import sys; sys.exit('no request wanted')"], big, env, now + 300,
                            1 << 40, None, now, "compiling")
     assert (answer, error) == (None, "the step did not lower or compile: no request wanted")
 

@@ -10,7 +10,9 @@ so torch. This file loads :mod:`._client` alone, compiles, and hands the
 memory the compiler freed back to the system (glibc keeps it otherwise).
 Only then does it import the package, to describe the compiled program.
 
-The child reads a request on stdin, as JSON: ``hlo``, a file holding the
+The child loads libtpu, then reads a request on stdin, as JSON (``fit``
+starts it while the first child lowers, and hands the request over once
+that one has exited): ``hlo``, a file holding the
 serialized HloModuleProto that :func:`~._fit_step.compile_step` wrote,
 ``topology``, and the parent's pid (:mod:`._parent`). It prints
 ``{"compiled": ..., "host_rss_bytes": ...}`` as one JSON line: ``compiled``
@@ -51,10 +53,12 @@ def _release_freed_memory() -> None:
 
 
 def main() -> int:
-    request = json.loads(sys.stdin.read())
     parent = _alone("_parent")
-    parent.exit_with_parent(request.get(parent.PARENT_KEY))
+    parent.exit_with_parent(None)  # killed with the process that started it, while it waits for the request too
     client = _alone("_client")
+    client._jax()  # libtpu, before the request: ``fit`` starts this process while the step is being lowered
+    request = json.loads(sys.stdin.read())
+    parent.exit_with_parent(request.get(parent.PARENT_KEY))
     with open(request["hlo"], "rb") as f:
         hlo = f.read()
     compiled = client.compile_sized(hlo, client.topology_devices(request["topology"]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import json
 import os
 import resource
@@ -275,8 +276,26 @@ def _spec_of(p: Any) -> tuple | None:
     return None if spec is None or all(s is None for s in spec) else spec
 
 
+#: What lowering any step imports (the model's own module comes with its config), imported ahead of the request.
+_AHEAD = ("accelerate", "torch_xla.distributed.spmd", "transformers.modeling_utils",
+          "transformers.models.auto.modeling_auto", "torch_xla_ext.distributed", "torch_xla_ext.hf",
+          "torch_xla_ext.remat", "torch_xla_ext.tpu")
+
+
+def _import_ahead() -> None:
+    """Import :data:`_AHEAD` and libtpu: ``fit`` starts this process before it has read the config, and hands
+    the request over once it has (:class:`.fit._Child`)."""
+    from ._client import _jax
+
+    for name in _AHEAD:
+        importlib.import_module(name)
+    _jax()
+
+
 def _main() -> int:
-    """Child process: read a request (JSON) from stdin, print the report as one JSON line."""
+    """Child process: import, then read a request (JSON) from stdin, print the report as one JSON line."""
+    exit_with_parent(None)  # killed with the process that started it, while it waits for the request too
+    _import_ahead()
     request = json.loads(sys.stdin.read())
     exit_with_parent(request.get(PARENT_KEY))
     report = compile_step(request["config"], request["topology"], batch=request["batch"], seq=request["seq"],

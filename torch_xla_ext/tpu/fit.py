@@ -23,6 +23,9 @@ over placeholders must never be executed (torch_xla 2.9 crashes on it). A
 second child compiles the program the first wrote, once the first has exited,
 before it imports torch (:mod:`torch_xla_ext.tpu._compile_child`): the TPU
 compiler's own host memory, most of a sizing's, is not added to torch's.
+Each child is started before its work is known and imports meanwhile (the
+first while this process reads the config, the second, libtpu only, while
+the first lowers): the imports are seconds of a sizing that need not wait.
 
 The step is the steady one: the moments exist (as placeholders sharded like
 their parameters), and every parameter and moment the step updates reuses
@@ -69,16 +72,19 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     """Lower and compile one training step per path for ``topology``; a :class:`FitReport` each.
 
     ``batch`` sequences of ``seq`` tokens per step (the whole slice's batch,
-    sharded over the chips). Every argument is checked before any child
-    starts: an unknown path or topology, a config transformers cannot build,
-    or a batch or sequence length below 1 raises ``ValueError``
-    (``TpuUnavailable`` without ``.[tpu]``). A path is stopped, and its
+    sharded over the chips). Every argument is checked before any child is
+    handed work: an unknown path or topology, a config transformers cannot
+    build, or a batch or sequence length below 1 raises ``ValueError``
+    (``TpuUnavailable`` without ``.[tpu]``). The config is read while the
+    first path's child imports torch_xla and transformers; a config refused
+    kills that child, which has done nothing else. A path is stopped, and its
     report has ``error`` set, when one of its two children (one lowers, then
     one compiles) fails or holds more than ``max_host_bytes`` of host memory
     (default: 3/4 of this machine's), or when the path runs past ``timeout``
     seconds; a step whose temporaries exceed HBM gives ``fits=False``
     with the compiler's message. ``progress`` is called about five times a
-    second while a path runs (:data:`Progress`). ``attention``: the model's
+    second while a path runs, with every phase it enters however short
+    (:data:`Progress`). ``attention``: the model's
     attention (``"sdpa"``, ``"eager"``; None: the config's own), or
     ``"flash"``: torch_xla's Pallas flash attention kernel, lowered for the
     TPU (causal attention over unpadded batches, as the step's are).
@@ -94,64 +100,126 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     for name, value in (("batch", batch), ("seq", seq)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"tpu_fit: {name} must be a positive int, got {value!r}")
-    cfg = load_config(config)
-    from transformers import AutoModelForCausalLM
-
-    if type(cfg) not in AutoModelForCausalLM._model_mapping:
-        raise ValueError(f"tpu_fit: {type(cfg).__name__} ({cfg.model_type!r}) has no causal language model class "
-                         f"in transformers; tpu-fit trains AutoModelForCausalLM models")
     chips = len(topology_devices(topology))
-    if attention == "flash" and lowering_devices(chips) != chips:
+    devices = lowering_devices(chips)
+    if attention == "flash" and devices != chips:
         raise ValueError(f"tpu_fit: attention='flash' needs a slice of fewer than 128 chips, got {chips}: a larger "
-                         f"one is lowered on {lowering_devices(chips)} devices and widened, and the kernel's manual "
+                         f"one is lowered on {devices} devices and widened, and the kernel's manual "
                          f"sharding cannot be widened")
     limit = max_host_bytes if max_host_bytes is not None else _machine_bytes() * 3 // 4
     reports = []
-    for path in paths:
-        tick = (lambda phase, seconds, path=path: progress(path, phase, seconds)) if progress else None
-        started = time.monotonic()
-        reports.append(_fit_path(cfg, topology, chips, batch, seq, path, attention, timeout, limit, tick, started))
-        if progress:
-            progress(path, "failed" if reports[-1].error else "done", time.monotonic() - started)
+    lowering = _lowering_child(devices)  # it imports torch_xla and transformers while this process reads the config
+    if progress:
+        progress(paths[0], "starting", 0.0)
+    with lowering:
+        cfg = load_config(config)
+        from transformers import AutoModelForCausalLM
+
+        if type(cfg) not in AutoModelForCausalLM._model_mapping:
+            raise ValueError(f"tpu_fit: {type(cfg).__name__} ({cfg.model_type!r}) has no causal language model "
+                             f"class in transformers; tpu-fit trains AutoModelForCausalLM models")
+        for index, path in enumerate(paths):
+            tick = (lambda phase, seconds, path=path: progress(path, phase, seconds)) if progress else None
+            if index:
+                lowering = _lowering_child(devices)
+            reports.append(_fit_path(cfg, topology, chips, devices, batch, seq, path, attention, timeout, limit,
+                                     tick, lowering))
+            if progress:
+                progress(path, "failed" if reports[-1].error else "done", time.monotonic() - lowering.started)
     return reports
 
 
-def _fit_path(cfg: Any, topology: str, chips: int, batch: int, seq: int, path: str, attention: str | None,
-              timeout: float, limit: int, tick: Callable[[str, float], None] | None, started: float) -> FitReport:
-    """One path: a child lowers the step and writes its program, then a second child compiles it (the
-    lowering process has exited by then: :mod:`._compile_child`). ``timeout`` holds for both together,
-    counted from ``started`` as ``tick``'s seconds are; ``limit`` for each."""
-    devices = lowering_devices(chips)
-    quiet = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-    with tempfile.TemporaryDirectory(prefix="txe_fit_") as work:
+def _quiet_env() -> dict[str, str]:
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+
+
+def _lowering_child(devices: int) -> _Child:
+    """A path's first child, started at once: it imports while the request is not known yet (:mod:`._fit_step`)."""
+    env = {**_quiet_env(), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), PHASES_ENV: "1"}
+    return _Child([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], env)
+
+
+def _fit_path(cfg: Any, topology: str, chips: int, devices: int, batch: int, seq: int, path: str,
+              attention: str | None, timeout: float, limit: int, tick: Callable[[str, float], None] | None,
+              lowering: _Child) -> FitReport:
+    """One path: ``lowering`` (started, importing) lowers the step and writes its program, then a second child
+    compiles it, started now to import libtpu while the first lowers; it is handed the program once the first
+    has exited (:mod:`._compile_child`). ``timeout`` holds for both together, counted from when ``lowering``
+    started, as ``tick``'s seconds are; ``limit`` for each."""
+    started = lowering.started
+    with (lowering, _Child([sys.executable, "-P", _COMPILE_CHILD], _quiet_env()) as compiling,
+          tempfile.TemporaryDirectory(prefix="txe_fit_") as work):
         program = os.path.join(work, "step.hlo.pb")
         request = {"config": cfg.to_dict(), "topology": topology, "batch": batch, "seq": seq, "path": path,
                    "attention": attention, "hlo_to": program, PARENT_KEY: os.getpid()}
-        env = {**quiet, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), PHASES_ENV: "1"}
-        answer, error = _child([sys.executable, "-m", "torch_xla_ext.tpu._fit_step"], request, env,
-                               started + timeout, limit, tick, started, "starting")
+        answer, error = lowering.answer(request, started + timeout, limit, tick, started, "starting")
         if answer is None:
             return FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0, devices, error=error,
                              attention=attention)
         lowered = FitReport(**answer)
-        answer, error = _child([sys.executable, "-P", _COMPILE_CHILD],
-                               {"hlo": program, "topology": topology, PARENT_KEY: os.getpid()},
-                               quiet, started + timeout, limit, tick, started, f"compiling for {topology}")
+        answer, error = compiling.answer({"hlo": program, "topology": topology, PARENT_KEY: os.getpid()},
+                                         started + timeout, limit, tick, started, f"compiling for {topology}")
     if answer is None:
         return dataclasses.replace(lowered, error=error)
     return dataclasses.replace(lowered, compiled=answer["compiled"],
                                host_rss_bytes=max(lowered.host_rss_bytes, answer["host_rss_bytes"]))
 
 
-def _child(command: list[str], request: dict, env: dict, deadline: float, limit: int,
-           tick: Callable[[str, float], None] | None, started: float, phase: str) -> tuple[dict | None, str | None]:
-    """Run one child to its JSON answer: (the answer, None) or (None, why it failed or was stopped)."""
-    returncode, out, err, stopped = _run_child(command, json.dumps(request), env, deadline, limit, tick, started,
-                                               phase)
-    answer = _last_json_line(out)
-    if stopped is None and returncode == 0 and answer is not None:
-        return answer, None
-    return None, stopped or "the step did not lower or compile: " + _failure(returncode, err)
+class _Child:
+    """A child process started before its request is known, so that it imports while this process goes on.
+
+    It reads its request (JSON) from stdin to the end, so it waits, having
+    imported what it needs, until :meth:`answer` hands it over; then it is
+    watched to its answer, one JSON line on stdout. Leaving the ``with``
+    block kills it if it still runs: a request never sent (this process
+    raised, was interrupted, or the path failed before it) leaves no child.
+    """
+
+    def __init__(self, command: list[str], env: dict) -> None:
+        self.started = time.monotonic()
+        with contextlib.ExitStack() as files:
+            self._out = files.enter_context(tempfile.TemporaryFile("w+"))
+            self._err = files.enter_context(tempfile.TemporaryFile("w+"))
+            # The phase lines it prints, read through a file offset of their own: the child writes at out's.
+            self._watch = files.enter_context(open(f"/proc/self/fd/{self._out.fileno()}"))
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=self._out, stderr=self._err,
+                                         env=env, text=True)
+            self._files = files.pop_all()
+
+    def __enter__(self) -> _Child:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill it if it still runs, and let go of its output."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):  # never written to: a child that died first closed its end
+            self.proc.stdin.close()
+        self._files.close()
+
+    def answer(self, request: dict, deadline: float, limit: int, tick: Callable[[str, float], None] | None,
+               started: float, phase: str) -> tuple[dict | None, str | None]:
+        """Hand it ``request`` and watch it to its JSON answer: (the answer, None) or (None, why it failed or was
+        stopped). Stopped past ``deadline`` (``time.monotonic()``) or above ``limit`` bytes of host memory;
+        ``tick(phase, seconds since started)`` at each poll, with the last phase the child printed (``phase``
+        until it prints one)."""
+        try:
+            stopped = _watch(self.proc, json.dumps(request), self._watch, deadline, limit, tick, started, phase)
+        finally:  # stopped, or an interrupt (a notebook's KeyboardInterrupt) or a raising tick: it must not go on
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.seek(0)
+        self._err.seek(0)
+        out, err = self._out.read(), self._err.read()
+        answer = _last_json_line(out)
+        if stopped is None and self.proc.returncode == 0 and answer is not None:
+            return answer, None
+        return None, stopped or "the step did not lower or compile: " + _failure(self.proc.returncode, err)
 
 
 def _failure(returncode: int, err: str) -> str:
@@ -185,26 +253,6 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _run_child(command: list[str], request: str, env: dict, deadline: float, limit: int,
-               tick: Callable[[str, float], None] | None, started: float,
-               phase: str) -> tuple[int, str, str, str | None]:
-    """Run one child until it exits, is past ``deadline`` (``time.monotonic()``) or holds more than ``limit``
-    bytes: (exit status, stdout, stderr, why it was stopped or None). ``tick(phase, seconds since started)``
-    at each poll, with the last phase the child printed (``phase`` until it prints one)."""
-    with (tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err,
-          open(f"/proc/self/fd/{out.fileno()}") as watch):  # its own file offset: the child writes at out's
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, text=True)
-        try:
-            stopped = _watch(proc, request, watch, deadline, limit, tick, started, phase)
-        finally:  # stopped, or an interrupt (a notebook's KeyboardInterrupt) or a raising tick: it must not go on
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read(), err.read(), stopped
-
-
 def _watch(proc: subprocess.Popen, request: str, watch: Any, deadline: float, limit: int,
            tick: Callable[[str, float], None] | None, started: float, phase: str) -> str | None:
     """Hand ``proc`` its request and poll it until it exits (None) or must be stopped (why; the caller kills it)."""
@@ -219,10 +267,10 @@ def _watch(proc: subprocess.Popen, request: str, watch: Any, deadline: float, li
         if tick is not None:  # the phase lines the child wrote since the last poll, whole lines only
             lines = (partial + watch.read()).split("\n")
             partial = lines.pop()
-            marks = [line for line in lines if line.startswith(PHASE_MARK)]
-            if marks:
-                phase = marks[-1][len(PHASE_MARK):].strip()
-            tick(phase, time.monotonic() - started)
+            entered = [line[len(PHASE_MARK):].strip() for line in lines if line.startswith(PHASE_MARK)]
+            seconds = time.monotonic() - started
+            for phase in entered or [phase]:  # each phase it entered, however short, in order
+                tick(phase, seconds)
         if time.monotonic() > deadline:
             return f"stopped after {deadline - started:.0f} s"
         if _rss_bytes(proc.pid) > limit:
