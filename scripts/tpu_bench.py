@@ -61,7 +61,8 @@ def compile_jax(jitted, specs: Sequence, topology: str) -> tpu.CompiledForTpu:
         seconds = time.perf_counter() - start
         buffers = _tpu_client.hbm_buffer_bytes(dump)
     module = read_hlo(lowered.compiler_ir("hlo").as_serialized_hlo_module_proto())
-    return _describe(compiled.runtime_executable(), module, topology, devices, seconds, buffers)
+    return _describe(_tpu_client.CompiledProgram.of(compiled.runtime_executable()), module, topology, devices,
+                     seconds, buffers)
 
 
 def collective_bytes(r: tpu.CompiledForTpu) -> int:

@@ -10,6 +10,7 @@ device count per process; placeholders must never be executed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -125,31 +126,58 @@ def test_a_shape_only_step_that_raised_leaves_nothing_that_a_later_sync_would_ex
     assert "placeholders left: 0" in out and "executed: 12.0" in out, out
 
 
-def test_the_compile_child_compiles_before_torch_is_imported_and_gives_the_in_process_figures(config_file, tmp_path):
-    """fit's second child: the compiler's host memory does not sit on top of torch's (the child's order is
-    checked), and the figures are those of the same step compiled where it was lowered."""
+def test_the_compile_child_never_imports_torch_and_its_program_gives_the_in_process_figures(config_file, tmp_path):
+    """fit's second child: the compiler's host memory does not sit on top of torch's, and the program it hands
+    back describes as the same step compiled where it was lowered."""
+    from torch_xla_ext.tpu import _described
+    from torch_xla_ext.tpu._compile_child import read_answer
     from torch_xla_ext.tpu.fit import _COMPILE_CHILD
 
     program = tmp_path / "step.hlo.pb"
     lowered, in_process = _steps(8, [{**_call(config_file, "v5e:2x4", "scan"), "hlo_to": str(program)},
                                      _call(config_file, "v5e:2x4", "scan")])
     assert lowered["compiled"] is None and lowered["host_rss_bytes"] > 0 and program.stat().st_size > 0
+    compiled_to = str(tmp_path / "compiled")
     source = textwrap.dedent(f"""
         import io, json, runpy, sys
         child = runpy.run_path({_COMPILE_CHILD!r})  # its functions; main() is not run
-        client = child["_alone"]("_client")
-        compiled_with_torch = []
-        real = client.compile_sized
-        client.compile_sized = lambda *a: compiled_with_torch.append("torch" in sys.modules) or real(*a)
-        sys.stdin = io.StringIO(json.dumps({{"hlo": {str(program)!r}, "topology": "v5e:2x4"}}))
+        sys.stdin = io.StringIO(json.dumps({{"hlo": {str(program)!r}, "topology": "v5e:2x4",
+                                             "program_to": {compiled_to!r}}}))
         child["main"]()
-        print("compiled with torch imported:", compiled_with_torch, flush=True)
+        print("torch imported:", "torch" in sys.modules, flush=True)
     """)
     proc = run_child(["-P", "-c", source], devices=None, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert "compiled with torch imported: [False]" in proc.stdout, proc.stdout
+    assert "torch imported: False" in proc.stdout, proc.stdout
     answer = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert answer["host_rss_bytes"] > 0
-    assert ({k: answer["compiled"][k] for k in FIGURES} == {k: in_process["compiled"][k] for k in FIGURES})
+    described = _described(read_answer(answer, compiled_to), program.read_bytes(), "v5e:2x4")
+    figures = json.loads(json.dumps(dataclasses.asdict(described)))  # as the in-process step's came: JSON
+    assert {k: figures[k] for k in FIGURES} == {k: in_process["compiled"][k] for k in FIGURES}
+
+
+def test_a_step_the_compiler_refuses_for_hbm_comes_back_from_the_compile_child_as_not_fitting(device, tmp_path):
+    import os
+    import time
+
+    import torch
+
+    from torch_xla_ext import tpu
+    from torch_xla_ext.tpu._compile_child import read_answer
+    from torch_xla_ext.tpu.fit import _COMPILE_CHILD
+
+    drawn = torch.rand(17 * (1 << 30) // 4, device=device)  # a 17 GiB temporary on a 16 GiB chip
+    program = tmp_path / "step.hlo.pb"
+    program.write_bytes(tpu._lower([drawn.sum() + drawn.max()], "v5e:2x4", (), widen=False))
+    del drawn  # dies here: no later sync runs it
+    compiled_to = str(tmp_path / "compiled")
+    now = time.monotonic()
+    answer, error = _answer([sys.executable, "-P", _COMPILE_CHILD],
+                            {"hlo": str(program), "topology": "v5e:2x4", "program_to": compiled_to},
+                            {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, now + 300, 1 << 40, None, now, "compiling")
+    assert error is None and answer["memory"] is None and "RESOURCE_EXHAUSTED" in answer["refusal"], answer
+    assert not os.path.exists(compiled_to + ".pb")
+    r = tpu._described(read_answer(answer, compiled_to), program.read_bytes(), "v5e:2x4")
+    assert not r.fits and r.error == answer["refusal"] and r.chips == 8
 
 
 def test_a_compile_child_that_fails_or_runs_past_the_deadline_is_an_error_not_an_answer(tmp_path):

@@ -32,8 +32,8 @@ import torch
 from .._format import format_bytes
 from .._scan.backend import CPU_CODEGEN_ENV, CPU_CODEGEN_MARK, forced_cpu_codegen
 from .._placeholders import parameter_shardings
-from ._client import (SizedCompile, TpuUnavailable, compile_sized, computation_cost, required_bytes, rewrite_entry,
-                      topology_devices)
+from ._client import (CompiledProgram, SizedCompile, TpuUnavailable, compile_sized, computation_cost, required_bytes,
+                      rewrite_entry, topology_devices)
 from ..hlo import HloModule, read_hlo
 from ..lowering import LoweringContext
 from ..transfer_guard import no_host_transfers
@@ -261,31 +261,30 @@ def _lower(outputs: torch.Tensor | Sequence[torch.Tensor], topology: str,
 
 def _described(compiled: SizedCompile, hlo: bytes, topology: str) -> CompiledForTpu:
     """The figures of ``compiled``, a :func:`~torch_xla_ext.tpu._client.compile_sized` of ``hlo`` for
-    ``topology`` (``tpu_fit`` compiles in a process of its own and describes there: ``_compile_child``)."""
+    ``topology`` (``tpu_fit`` compiles in a process of its own and describes the program it hands back)."""
     devices = topology_devices(topology)
-    if compiled.executable is None:
+    if compiled.program is None:
         kind = devices[0].device_kind
         return CompiledForTpu(topology, len(devices), kind, HBM_BYTES[kind], False, 0, 0, 0, 0, 0, 0, None, None,
                               0, compiled.seconds, {}, error=compiled.refusal)
-    return _describe(compiled.executable, read_hlo(hlo), topology, devices, compiled.seconds,
+    return _describe(compiled.program, read_hlo(hlo), topology, devices, compiled.seconds,
                      compiled.hbm_buffer_bytes)
 
 
-def _describe(executable, lowered: HloModule, topology: str, devices: tuple, seconds: float,
+def _describe(program: CompiledProgram, lowered: HloModule, topology: str, devices: tuple, seconds: float,
               hbm_buffers: int | None = None) -> CompiledForTpu:
-    """The figures of ``executable``, compiled for ``devices`` from the program ``lowered``.
+    """The figures of ``program``, compiled for ``devices`` from the program ``lowered``.
 
-    Also what the benchmarks use for a program another front end (JAX) compiled for the same devices.
-    ``hbm_buffers``: :func:`~torch_xla_ext.tpu._client.hbm_buffer_bytes` of its compile.
+    Also what the benchmarks use for a program another front end (JAX) compiled for the same devices
+    (``CompiledProgram.of(executable)``). ``hbm_buffers``: :func:`~torch_xla_ext.tpu._client.hbm_buffer_bytes`
+    of its compile.
     """
     kind = devices[0].device_kind
     hbm = HBM_BYTES[kind]
-    stats = executable.get_compiled_memory_stats()
-    optimized_module = executable.hlo_modules()[0]
-    optimized = read_hlo(optimized_module.as_serialized_hlo_module_proto())
+    stats = program.memory
+    optimized = read_hlo(program.optimized)
     trips = _trip_counts(optimized, lowered)
-    text = optimized_module.to_string()
-    flops, bytes_accessed = _trip_counted_cost(optimized, trips, text)
+    flops, bytes_accessed = _trip_counted_cost(optimized, trips, program.optimized_text)
     runs = _runs_per_computation(optimized, trips)
     collectives: dict[str, tuple[int, int]] = {}
     channels: set[int] = set()
@@ -303,12 +302,11 @@ def _describe(executable, lowered: HloModule, topology: str, devices: tuple, sec
         times = 1 if times is None else times
         count, size = collectives.get(what, (0, 0))
         collectives[what] = (count + times, size + times * c.operand_bytes)
-    peak = int(stats.peak_memory_in_bytes)
     result = CompiledForTpu(
         topology=topology, chips=len(devices), device_kind=kind, hbm_bytes=hbm, fits=False,
-        peak_bytes=peak, argument_bytes=int(stats.argument_size_in_bytes),
-        output_bytes=int(stats.output_size_in_bytes), alias_bytes=int(stats.alias_size_in_bytes),
-        temp_bytes=int(stats.temp_size_in_bytes), generated_code_bytes=int(stats.generated_code_size_in_bytes),
+        peak_bytes=stats["peak_memory_in_bytes"], argument_bytes=stats["argument_size_in_bytes"],
+        output_bytes=stats["output_size_in_bytes"], alias_bytes=stats["alias_size_in_bytes"],
+        temp_bytes=stats["temp_size_in_bytes"], generated_code_bytes=stats["generated_code_size_in_bytes"],
         flops=flops, bytes_accessed=bytes_accessed, while_loops=len(trips), compile_seconds=seconds,
         collectives=collectives, trip_counts=tuple(trips.values()), hbm_buffer_bytes=hbm_buffers,
     )

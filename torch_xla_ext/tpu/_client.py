@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 __all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "links", "topology_devices", "compile_hlo",
-           "compile_sized", "SizedCompile", "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
+           "compile_sized", "SizedCompile", "CompiledProgram", "MEMORY_FIELDS", "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")
@@ -150,11 +150,34 @@ def compile_hlo(hlo: bytes, devices: tuple, dump_to: str | None = None) -> Any:
     return devices[0].client.compile(module, jaxlib_ext.DeviceList(devices), options)
 
 
+#: The compiler's memory statistics a description reads (``CompiledMemoryStats``' field names).
+MEMORY_FIELDS = ("peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                 "temp_size_in_bytes", "generated_code_size_in_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """What describing a compiled program reads, without its executable: plain data a process can hand on."""
+
+    #: The compiler's memory statistics, by :data:`MEMORY_FIELDS` name.
+    memory: dict[str, int]
+    #: The optimized program, a serialized HloModuleProto, and its text (XLA's cost analysis reads the text).
+    optimized: bytes
+    optimized_text: str
+
+    @classmethod
+    def of(cls, executable: Any) -> CompiledProgram:
+        stats = executable.get_compiled_memory_stats()
+        module = executable.hlo_modules()[0]
+        return cls({name: int(getattr(stats, name)) for name in MEMORY_FIELDS},
+                   module.as_serialized_hlo_module_proto(), module.to_string())
+
+
 @dataclasses.dataclass(frozen=True)
 class SizedCompile:
-    """One compile of :func:`compile_sized`: the executable, or the compiler's refusal for HBM."""
+    """One compile of :func:`compile_sized`: the compiled program, or the compiler's refusal for HBM."""
 
-    executable: Any | None
+    program: CompiledProgram | None
     seconds: float
     #: :func:`hbm_buffer_bytes` of the compile (None: refused, or no buffer assignment written).
     hbm_buffer_bytes: int | None
@@ -165,7 +188,8 @@ class SizedCompile:
 def compile_sized(hlo: bytes, devices: tuple) -> SizedCompile:
     """:func:`compile_hlo` with the compiler's buffer assignment read, timed; running out of HBM is an answer.
 
-    Any other compile error is raised.
+    Any other compile error is raised. The executable is not kept: nothing
+    can run it here, and the program it was compiled to says all there is.
     """
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="txe_tpu_") as dump:
@@ -177,7 +201,7 @@ def compile_sized(hlo: bytes, devices: tuple) -> SizedCompile:
                 raise
             return SizedCompile(None, time.perf_counter() - start, None, message.splitlines()[0][:400])
         seconds = time.perf_counter() - start
-        return SizedCompile(executable, seconds, hbm_buffer_bytes(dump))
+        return SizedCompile(CompiledProgram.of(executable), seconds, hbm_buffer_bytes(dump))
 
 
 _ALLOCATION = re.compile(r"allocation \d+: size (\d+), (?:color (\d+), )?")

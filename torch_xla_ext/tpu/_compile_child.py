@@ -1,4 +1,4 @@
-"""``tpu_fit``'s second child per path: it compiles the lowered step for the TPU before this process imports torch.
+"""``tpu_fit``'s second child per path: it compiles the lowered step for the TPU, and never imports torch.
 
 The TPU compiler's own host memory is most of a sizing's: libtpu 0.0.21
 peaks at 2.5 GiB compiling Llama-3 8B's scanned step in a process that holds
@@ -6,30 +6,34 @@ nothing else. In the process that lowered the step, that peak sat on top of
 torch, torch_xla's virtual devices and the model (1.0 GiB more). Here it
 does not. The parent (:mod:`.fit`) runs this file by its path with
 ``python -P``, not with ``-m``: ``-m`` would import the package first, and
-so torch. This file loads :mod:`._client` alone, compiles, and hands the
-memory the compiler freed back to the system (glibc keeps it otherwise).
-Only then does it import the package, to describe the compiled program.
+so torch. This file loads :mod:`._client` alone and compiles; the parent,
+which has imported torch already, describes the program it hands back
+(:func:`read_answer`, then :func:`torch_xla_ext.tpu._described`).
 
 The child loads libtpu, then reads a request on stdin, as JSON (``fit``
 starts it while the first child lowers, and hands the request over once
-that one has exited): ``hlo``, a file holding the
-serialized HloModuleProto that :func:`~._fit_step.compile_step` wrote,
-``topology``, and the parent's pid (:mod:`._parent`). It prints
-``{"compiled": ..., "host_rss_bytes": ...}`` as one JSON line: ``compiled``
-is a :class:`~torch_xla_ext.tpu.CompiledForTpu` as a dict,
-``host_rss_bytes`` this process's peak.
+that one has exited): ``hlo``, a file holding the serialized
+HloModuleProto that :func:`~._fit_step.compile_step` wrote, ``topology``,
+``program_to``, where to write the compiled program (two files: that path
+with ``.pb`` and ``.txt`` appended), and the parent's pid
+(:mod:`._parent`). It prints one JSON line: the compile's plain fields
+(:class:`~._client.SizedCompile` but its program), the program's memory
+statistics (None when the compiler refused the step for HBM), and
+``host_rss_bytes``, this process's peak.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import importlib.util
 import json
 import os
 import resource
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._client import SizedCompile
 
 
 def _alone(name: str) -> ModuleType:
@@ -44,14 +48,6 @@ def _alone(name: str) -> ModuleType:
     return module
 
 
-def _release_freed_memory() -> None:
-    """Return the heap's free pages to the system: after a compile, glibc holds what the compiler freed."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator decides
-        pass
-
-
 def main() -> int:
     parent = _alone("_parent")
     parent.exit_with_parent(None)  # killed with the process that started it, while it waits for the request too
@@ -62,13 +58,30 @@ def main() -> int:
     with open(request["hlo"], "rb") as f:
         hlo = f.read()
     compiled = client.compile_sized(hlo, client.topology_devices(request["topology"]))
-    _release_freed_memory()
-    from torch_xla_ext import tpu  # torch, from here on
-
-    described = tpu._described(compiled, hlo, request["topology"])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"compiled": dataclasses.asdict(described), "host_rss_bytes": peak}), flush=True)
+    program, to = compiled.program, request["program_to"]
+    if program is not None:
+        with open(to + ".pb", "wb") as f:
+            f.write(program.optimized)
+        with open(to + ".txt", "w") as f:
+            f.write(program.optimized_text)
+    answer = {"seconds": compiled.seconds, "hbm_buffer_bytes": compiled.hbm_buffer_bytes,
+              "refusal": compiled.refusal, "memory": None if program is None else program.memory,
+              "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    print(json.dumps(answer), flush=True)
     return 0
+
+
+def read_answer(answer: dict, program_to: str) -> SizedCompile:
+    """The :class:`~._client.SizedCompile` a child handed back: its JSON ``answer``, its files at ``program_to``."""
+    client = _alone("_client")
+    program = None
+    if answer["memory"] is not None:
+        with open(program_to + ".pb", "rb") as f:
+            optimized = f.read()
+        with open(program_to + ".txt") as f:
+            text = f.read()
+        program = client.CompiledProgram(answer["memory"], optimized, text)
+    return client.SizedCompile(program, answer["seconds"], answer["hbm_buffer_bytes"], answer["refusal"])
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ below 128 with the program's shardings widened to every chip
 (:func:`lowering_devices`, :mod:`torch_xla_ext.tpu._widen`). Each path is lowered in a child process
 of its own: the device count is fixed when torch_xla starts, and a program
 over placeholders must never be executed (torch_xla 2.9 crashes on it). A
-second child compiles the program the first wrote, once the first has exited,
-before it imports torch (:mod:`torch_xla_ext.tpu._compile_child`): the TPU
+second child, which never imports torch, compiles the program the first
+wrote, once the first has exited, and hands back the compiled program for
+this process to describe (:mod:`torch_xla_ext.tpu._compile_child`): the TPU
 compiler's own host memory, most of a sizing's, is not added to torch's.
 Each child is started before its work is known and imports meanwhile (the
 first while this process reads the config, the second, libtpu only, while
@@ -51,6 +52,8 @@ from typing import Any
 
 from ._fit_request import (ATTENTIONS, DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path,
                            load_config, lowering_devices, parse_path, split_hbm)
+from . import _described
+from ._compile_child import read_answer
 from ._fit_step import compile_step
 from ._parent import PARENT_KEY
 
@@ -144,7 +147,7 @@ def _fit_path(cfg: Any, topology: str, chips: int, devices: int, batch: int, seq
               lowering: _Child) -> FitReport:
     """One path: ``lowering`` (started, importing) lowers the step and writes its program, then a second child
     compiles it, started now to import libtpu while the first lowers; it is handed the program once the first
-    has exited (:mod:`._compile_child`). ``timeout`` holds for both together, counted from when ``lowering``
+    has exited, and hands back the compiled program, which this process describes (:mod:`._compile_child`). ``timeout`` holds for both together, counted from when ``lowering``
     started, as ``tick``'s seconds are; ``limit`` for each."""
     started = lowering.started
     with (lowering, _Child([sys.executable, "-P", _COMPILE_CHILD], _quiet_env()) as compiling,
@@ -157,11 +160,15 @@ def _fit_path(cfg: Any, topology: str, chips: int, devices: int, batch: int, seq
             return FitReport(path, topology, chips, batch, seq, None, 0, 0.0, 0, devices, error=error,
                              attention=attention)
         lowered = FitReport(**answer)
-        answer, error = compiling.answer({"hlo": program, "topology": topology, PARENT_KEY: os.getpid()},
+        compiled_to = os.path.join(work, "compiled")
+        answer, error = compiling.answer({"hlo": program, "topology": topology, "program_to": compiled_to,
+                                          PARENT_KEY: os.getpid()},
                                          started + timeout, limit, tick, started, f"compiling for {topology}")
-    if answer is None:
-        return dataclasses.replace(lowered, error=error)
-    return dataclasses.replace(lowered, compiled=answer["compiled"],
+        if answer is None:
+            return dataclasses.replace(lowered, error=error)
+        with open(program, "rb") as f:
+            described = _described(read_answer(answer, compiled_to), f.read(), topology)
+    return dataclasses.replace(lowered, compiled=dataclasses.asdict(described),
                                host_rss_bytes=max(lowered.host_rss_bytes, answer["host_rss_bytes"]))
 
 
