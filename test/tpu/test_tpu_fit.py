@@ -257,9 +257,8 @@ def test_cli_refuses_bad_arguments_before_a_child_is_handed_work(config_file, ar
     assert [child.closed for child in started] == ([True] if imported else [])
 
 
-def test_a_config_refused_kills_the_child_that_was_importing(monkeypatch):
-    import time
-
+def _recording_children(monkeypatch) -> list:
+    """Make fit's children record themselves in the list returned."""
     from torch_xla_ext import tpu_fit
 
     started = []
@@ -270,12 +269,29 @@ def test_a_config_refused_kills_the_child_that_was_importing(monkeypatch):
             started.append(self)
 
     monkeypatch.setattr(tpu_fit, "_Child", Recorded)
-    began = time.monotonic()
+    return started
+
+
+def test_a_config_refused_kills_the_child_that_was_importing(monkeypatch):
+    from torch_xla_ext import tpu_fit
+
+    started = _recording_children(monkeypatch)
     with pytest.raises(ValueError, match="has no causal language model class"):
         tpu_fit.fit("vit", "v5e:2x2", batch=4, seq=32, paths=["scan"])
-    assert len(started) == 1
     # Killed by fit as it raised (the child imports for seconds before it would read a request).
-    assert started[0].proc.returncode == -9, (started[0].proc.returncode, time.monotonic() - began)
+    assert [child.proc.returncode for child in started] == [-9]
+
+
+def test_a_progress_callback_that_raises_at_the_start_kills_the_child_that_was_importing(monkeypatch, config_file):
+    from torch_xla_ext import tpu_fit
+
+    def interrupted(path, phase, seconds):  # as a notebook's interrupt lands in the callback
+        raise KeyboardInterrupt
+
+    started = _recording_children(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        tpu_fit.fit(config_file, "v5e:2x2", batch=4, seq=32, paths=["scan"], progress=interrupted)
+    assert [child.proc.returncode for child in started] == [-9]
 
 
 def test_a_placement_that_depends_on_the_device_count_is_refused():

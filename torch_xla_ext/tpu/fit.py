@@ -112,9 +112,9 @@ def fit(config: Any, topology: str, *, batch: int, seq: int, paths: Sequence[str
     limit = max_host_bytes if max_host_bytes is not None else _machine_bytes() * 3 // 4
     reports = []
     lowering = _lowering_child(devices)  # it imports torch_xla and transformers while this process reads the config
-    if progress:
-        progress(paths[0], "starting", 0.0)
     with lowering:
+        if progress:
+            progress(paths[0], "starting", 0.0)
         cfg = load_config(config)
         from transformers import AutoModelForCausalLM
 
