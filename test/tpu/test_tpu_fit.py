@@ -257,6 +257,18 @@ def test_cli_refuses_bad_arguments_before_a_child_is_handed_work(config_file, ar
     assert [child.closed for child in started] == ([True] if imported else [])
 
 
+def test_a_compiled_step_this_process_cannot_read_is_that_paths_error(config_file, monkeypatch):
+    from torch_xla_ext import tpu_fit
+
+    def unreadable(answer, program_to):
+        raise ValueError("a truncated program")
+
+    monkeypatch.setattr(tpu_fit, "read_answer", unreadable)
+    (report,) = tpu_fit.fit(config_file, "v5e:2x2", batch=4, seq=32, paths=["scan"])
+    assert report.compiled is None and report.parameters > 0
+    assert report.error == "the compiled step could not be read: ValueError: a truncated program"
+
+
 def _recording_children(monkeypatch) -> list:
     """Make fit's children record themselves in the list returned."""
     from torch_xla_ext import tpu_fit

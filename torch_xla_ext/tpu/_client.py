@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 __all__ = ["TpuUnavailable", "KNOWN_TOPOLOGIES", "wraparound", "links", "topology_devices", "compile_hlo",
-           "compile_sized", "SizedCompile", "CompiledProgram", "MEMORY_FIELDS", "computation_cost", "rewrite_entry", "required_bytes", "hbm_buffer_bytes"]
+           "compile_sized", "SizedCompile", "CompiledProgram", "MEMORY_FIELDS", "computation_cost", "rewrite_entry",
+           "required_bytes", "hbm_buffer_bytes"]
 
 #: Topologies the compile-only client was seen to compile for here (the refusal lists them).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:2x4")

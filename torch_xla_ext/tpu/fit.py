@@ -50,10 +50,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._fit_request import (ATTENTIONS, DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path,
-                           load_config, lowering_devices, parse_path, split_hbm)
 from . import _described
 from ._compile_child import read_answer
+from ._fit_request import (ATTENTIONS, DEFAULT_PATHS, PATHS, PHASE_MARK, PHASES_ENV, FitReport, Path,
+                           load_config, lowering_devices, parse_path, split_hbm)
 from ._fit_step import compile_step
 from ._parent import PARENT_KEY
 
@@ -147,8 +147,9 @@ def _fit_path(cfg: Any, topology: str, chips: int, devices: int, batch: int, seq
               lowering: _Child) -> FitReport:
     """One path: ``lowering`` (started, importing) lowers the step and writes its program, then a second child
     compiles it, started now to import libtpu while the first lowers; it is handed the program once the first
-    has exited, and hands back the compiled program, which this process describes (:mod:`._compile_child`). ``timeout`` holds for both together, counted from when ``lowering``
-    started, as ``tick``'s seconds are; ``limit`` for each."""
+    has exited, and hands back the compiled program, which this process describes (:mod:`._compile_child`).
+    ``timeout`` holds for both together, counted from when ``lowering`` started, as ``tick``'s seconds are;
+    ``limit`` for each."""
     started = lowering.started
     with (lowering, _Child([sys.executable, "-P", _COMPILE_CHILD], _quiet_env()) as compiling,
           tempfile.TemporaryDirectory(prefix="txe_fit_") as work):
@@ -166,8 +167,12 @@ def _fit_path(cfg: Any, topology: str, chips: int, devices: int, batch: int, seq
                                          started + timeout, limit, tick, started, f"compiling for {topology}")
         if answer is None:
             return dataclasses.replace(lowered, error=error)
-        with open(program, "rb") as f:
-            described = _described(read_answer(answer, compiled_to), f.read(), topology)
+        try:
+            with open(program, "rb") as f:
+                described = _described(read_answer(answer, compiled_to), f.read(), topology)
+        except Exception as error:  # noqa: BLE001 - this path's report says why; the other paths go on
+            return dataclasses.replace(lowered, error=f"the compiled step could not be read: "
+                                                      f"{type(error).__name__}: {error}"[:400])
     return dataclasses.replace(lowered, compiled=dataclasses.asdict(described),
                                host_rss_bytes=max(lowered.host_rss_bytes, answer["host_rss_bytes"]))
 
@@ -212,8 +217,8 @@ class _Child:
                started: float, phase: str) -> tuple[dict | None, str | None]:
         """Hand it ``request`` and watch it to its JSON answer: (the answer, None) or (None, why it failed or was
         stopped). Stopped past ``deadline`` (``time.monotonic()``) or above ``limit`` bytes of host memory;
-        ``tick(phase, seconds since started)`` at each poll, with the last phase the child printed (``phase``
-        until it prints one)."""
+        ``tick(phase, seconds since started)`` at each poll, once for each phase the child printed since the
+        last (``phase`` until it prints one)."""
         try:
             stopped = _watch(self.proc, json.dumps(request), self._watch, deadline, limit, tick, started, phase)
         finally:  # stopped, or an interrupt (a notebook's KeyboardInterrupt) or a raising tick: it must not go on
