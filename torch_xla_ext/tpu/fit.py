@@ -206,12 +206,15 @@ class _Child:
 
     def close(self) -> None:
         """Kill it if it still runs, and let go of its output."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        self._kill()
         with contextlib.suppress(OSError):  # never written to: a child that died first closed its end
             self.proc.stdin.close()
         self._files.close()
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def answer(self, request: dict, deadline: float, limit: int, tick: Callable[[str, float], None] | None,
                started: float, phase: str) -> tuple[dict | None, str | None]:
@@ -222,9 +225,7 @@ class _Child:
         try:
             stopped = _watch(self.proc, json.dumps(request), self._watch, deadline, limit, tick, started, phase)
         finally:  # stopped, or an interrupt (a notebook's KeyboardInterrupt) or a raising tick: it must not go on
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            self._kill()
         self._out.seek(0)
         self._err.seek(0)
         out, err = self._out.read(), self._err.read()
