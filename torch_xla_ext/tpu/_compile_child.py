@@ -57,22 +57,28 @@ def main() -> int:
     parent.exit_with_parent(request.get(parent.PARENT_KEY))
     with open(request["hlo"], "rb") as f:
         hlo = f.read()
-    compiled = client.compile_sized(hlo, client.topology_devices(request["topology"]))
-    program, to = compiled.program, request["program_to"]
-    if program is not None:
-        with open(to + ".pb", "wb") as f:
-            f.write(program.optimized)
-        with open(to + ".txt", "w") as f:
-            f.write(program.optimized_text)
-    answer = {"seconds": compiled.seconds, "hbm_buffer_bytes": compiled.hbm_buffer_bytes,
-              "refusal": compiled.refusal, "memory": None if program is None else program.memory,
-              "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    answer = write_answer(client.compile_sized(hlo, client.topology_devices(request["topology"])),
+                          request["program_to"])
+    answer["host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(answer), flush=True)
     return 0
 
 
+def write_answer(compiled: SizedCompile, program_to: str) -> dict:
+    """``compiled`` handed back: its program in files at ``program_to``, the rest as the JSON-able dict returned."""
+    program = compiled.program
+    if program is not None:
+        with open(program_to + ".pb", "wb") as f:
+            f.write(program.optimized)
+        with open(program_to + ".txt", "w") as f:
+            f.write(program.optimized_text)
+    return {"seconds": compiled.seconds, "hbm_buffer_bytes": compiled.hbm_buffer_bytes, "refusal": compiled.refusal,
+            "memory": None if program is None else program.memory}
+
+
 def read_answer(answer: dict, program_to: str) -> SizedCompile:
-    """The :class:`~._client.SizedCompile` a child handed back: its JSON ``answer``, its files at ``program_to``."""
+    """The :class:`~._client.SizedCompile` a child handed back (:func:`write_answer`): its JSON ``answer``, its
+    files at ``program_to``."""
     client = _alone("_client")
     program = None
     if answer["memory"] is not None:
