@@ -279,7 +279,7 @@ def _spec_of(p: Any) -> tuple | None:
 #: What lowering any step imports (the model's own module comes with its config), imported ahead of the request.
 _AHEAD = ("accelerate", "torch_xla.distributed.spmd", "transformers.modeling_utils",
           "transformers.models.auto.modeling_auto", "torch_xla_ext.distributed", "torch_xla_ext.hf",
-          "torch_xla_ext.remat", "torch_xla_ext.tpu")
+          "torch_xla_ext.remat")  # torch_xla_ext.tpu: imported already, as this module's package
 
 
 def _import_ahead() -> None:
