@@ -40,14 +40,13 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-
 import numpy as np
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # torch_xla's own default, said without its warning
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_fit_time import MAXTEXT_SETTINGS  # noqa: E402  (the step's settings, kept in one place)
+from proto_wire import fields, hlo_module_of, int_field, message_field  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -76,64 +75,16 @@ ROWS = {
 _OTHER = 3  # OpSharding.Type.OTHER: a tile assignment
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, i
-
-
-def _encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int | bytes, bytes]]:
-    """(field number, value, the field's raw bytes) of each field of one message, in order."""
-    i = 0
-    while i < len(buf):
-        start = i
-        key, i = _varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _varint(buf, i)
-        elif wire == 2:
-            size, i = _varint(buf, i)
-            value, i = buf[i:i + size], i + size
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            value, i = buf[i:i + size], i + size
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire} (field {number})")
-        yield number, value, buf[start:i]
-
-
-def _message(number: int, payload: bytes) -> bytes:
-    return _encode_varint(number << 3 | 2) + _encode_varint(len(payload)) + payload
-
-
-def _integer(number: int, value: int) -> bytes:
-    return _encode_varint(number << 3) + _encode_varint(value)
-
-
 def _refuse(what: str) -> None:
     raise SystemExit(f"maxtext_program: a sharding with {what} cannot be rewritten for libtpu 0.0.21")
 
 
 def _mesh_axes(mesh: bytes) -> list[int]:
     sizes = []
-    for number, axis, _ in _fields(mesh):
+    for number, axis, _ in fields(mesh):
         if number != 1:
             _refuse(f"mesh field {number} (explicit device ids?)")
-        sizes.append(dict((n, v) for n, v, _ in _fields(axis)).get(2, 1))
+        sizes.append(dict((n, v) for n, v, _ in fields(axis)).get(2, 1))
     return sizes
 
 
@@ -141,14 +92,14 @@ def tile_assignment(named: bytes) -> tuple[list[int], np.ndarray | None]:
     """The tile dimensions and devices a named sharding denotes; devices None when it is replicated."""
     sizes: list[int] = []
     dims: list[list[int]] = []
-    for number, value, _ in _fields(named):
+    for number, value, _ in fields(named):
         if number == 2:
             sizes = _mesh_axes(value)
         elif number == 3:
             axes = []
-            for field, axis, _ in _fields(value):
+            for field, axis, _ in fields(value):
                 if field == 1:
-                    parts = dict((n, v) for n, v, _ in _fields(axis))
+                    parts = dict((n, v) for n, v, _ in fields(axis))
                     if set(parts) - {1}:
                         _refuse("a sub-axis")
                     axes.append(parts.get(1, 0))
@@ -169,33 +120,33 @@ def tile_assignment(named: bytes) -> tuple[list[int], np.ndarray | None]:
 
 def rewrite_sharding(sharding: bytes) -> bytes:
     """An OpSharding with its named sharding (and its tuple elements') as a tile assignment."""
-    parts = list(_fields(sharding))
+    parts = list(fields(sharding))
     named = [value for number, value, _ in parts if number == 14]
     if not named:
-        return b"".join(_message(5, rewrite_sharding(v)) if n == 5 else raw for n, v, raw in parts)
+        return b"".join(message_field(5, rewrite_sharding(v)) if n == 5 else raw for n, v, raw in parts)
     kept = b"".join(raw for number, _, raw in parts if number not in (1, 14))
     tiles, devices = tile_assignment(named[0])
     if devices is None:
         return kept  # type REPLICATED, the default
-    out = _integer(1, _OTHER) + b"".join(_integer(3, t) for t in tiles)
-    out += b"".join(_integer(4, int(d)) for d in devices)
-    dims = sum(1 for number, _, _ in _fields(named[0]) if number == 3)
+    out = int_field(1, _OTHER) + b"".join(int_field(3, t) for t in tiles)
+    out += b"".join(int_field(4, int(d)) for d in devices)
+    dims = sum(1 for number, _, _ in fields(named[0]) if number == 3)
     if len(tiles) > dims:
-        out += _integer(6, 1)  # the trailing dimension replicates
+        out += int_field(6, 1)  # the trailing dimension replicates
     return out + kept
 
 
 def rewrite_module(dumped: bytes) -> bytes:
     """The HloModuleProto of an ``xla_dump_hlo_as_proto`` dump (an HloProto), its shardings rewritten."""
-    module = next(value for number, value, _ in _fields(dumped) if number == 1)
+    module = hlo_module_of(dumped)
 
     def instruction(buf: bytes) -> bytes:
-        return b"".join(_message(40, rewrite_sharding(v)) if n == 40 else raw for n, v, raw in _fields(buf))
+        return b"".join(message_field(40, rewrite_sharding(v)) if n == 40 else raw for n, v, raw in fields(buf))
 
     def computation(buf: bytes) -> bytes:
-        return b"".join(_message(2, instruction(v)) if n == 2 else raw for n, v, raw in _fields(buf))
+        return b"".join(message_field(2, instruction(v)) if n == 2 else raw for n, v, raw in fields(buf))
 
-    return b"".join(_message(3, computation(v)) if n == 3 else raw for n, v, raw in _fields(module))
+    return b"".join(message_field(3, computation(v)) if n == 3 else raw for n, v, raw in fields(module))
 
 
 # ------------------------------------------------------------------ the two compiles

@@ -26,6 +26,8 @@ import os
 import pathlib
 import re
 
+from proto_wire import hlo_module_of
+
 _TOTAL = re.compile(r"Total bytes used: (\d+)")
 
 
@@ -68,38 +70,7 @@ class Programs:
         if not dumps:
             return None
         largest = max(dumps, key=lambda path: path.stat().st_size)
-        return txe.read_hlo(_hlo_module_of(largest.read_bytes()))
+        return txe.read_hlo(hlo_module_of(largest.read_bytes()))
 
     def _new(self, pattern: str) -> list[pathlib.Path]:
         return sorted(set(self.directory.glob(pattern)) - self.seen)
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, pos
-
-
-def _hlo_module_of(hlo_proto: bytes) -> bytes:
-    """The ``hlo_module`` (field 1) of a serialized ``xla.HloProto``, as XLA dumps programs."""
-    pos = 0
-    while pos < len(hlo_proto):
-        key, pos = _varint(hlo_proto, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            _, pos = _varint(hlo_proto, pos)
-        elif wire == 2:
-            size, pos = _varint(hlo_proto, pos)
-            if field == 1:
-                return hlo_proto[pos:pos + size]
-            pos += size
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"unexpected wire type {wire} in an HloProto dump at byte {pos}")
-    raise ValueError("the HloProto dump holds no hlo_module")

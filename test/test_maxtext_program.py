@@ -20,18 +20,19 @@ from jax._src.lib import xla_client  # noqa: E402
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import maxtext_program as mp  # noqa: E402
+from proto_wire import fields, int_field, message_field  # noqa: E402
 
 
 def _named(sizes: dict[str, int], spec: tuple) -> bytes:
     """An OpSharding carrying only a named sharding, as MaxText's program does (field numbers in the script)."""
     names = list(sizes)
-    mesh = b"".join(mp._message(1, mp._message(1, n.encode()) + mp._integer(2, s)) for n, s in sizes.items())
+    mesh = b"".join(message_field(1, message_field(1, n.encode()) + int_field(2, s)) for n, s in sizes.items())
     dims = b""
     for entry in spec:
         axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        refs = b"".join(mp._message(1, mp._integer(1, names.index(a)) if names.index(a) else b"") for a in axes)
-        dims += mp._message(3, refs + mp._integer(2, 1))
-    return mp._message(14, mp._message(2, mesh) + dims)
+        refs = b"".join(message_field(1, int_field(1, names.index(a)) if names.index(a) else b"") for a in axes)
+        dims += message_field(3, refs + int_field(2, 1))
+    return message_field(14, message_field(2, mesh) + dims)
 
 
 def _read(op_sharding: bytes):
@@ -61,19 +62,19 @@ def test_the_rewritten_sharding_is_jax_own_for_the_same_mesh_and_spec(sizes, spe
 
 
 def test_tuple_elements_are_rewritten_and_other_fields_kept():
-    metadata = mp._message(7, mp._message(2, b"op_name"))  # OpSharding.metadata, carried as it is
+    metadata = message_field(7, message_field(2, b"op_name"))  # OpSharding.metadata, carried as it is
     elements = [_named({"fsdp": 4}, ("fsdp",)) + metadata, _named({"fsdp": 4}, (None,))]
-    rewritten = mp.rewrite_sharding(mp._integer(1, 2) + b"".join(mp._message(5, e) for e in elements))
+    rewritten = mp.rewrite_sharding(int_field(1, 2) + b"".join(message_field(5, e) for e in elements))
     assert str(_read(rewritten)) == "{{devices=[4]0,1,2,3}, {replicated}}"
-    first = next(value for number, value, _ in mp._fields(rewritten) if number == 5)
+    first = next(value for number, value, _ in fields(rewritten) if number == 5)
     assert metadata in first
 
 
 @pytest.mark.parametrize("named,field", [
-    (mp._message(14, mp._message(2, mp._message(1, mp._integer(2, 4)) + mp._message(2, b"\x00"))), "mesh field 2"),
-    (mp._message(14, mp._message(2, mp._message(1, mp._integer(2, 4))) + mp._message(4, b"")), "named-sharding field 4"),
-    (mp._message(14, mp._message(2, mp._message(1, mp._integer(2, 4)))
-                 + mp._message(3, mp._message(1, mp._integer(2, 1)))), "a sub-axis"),
+    (message_field(14, message_field(2, message_field(1, int_field(2, 4)) + message_field(2, b"\x00"))), "mesh field 2"),
+    (message_field(14, message_field(2, message_field(1, int_field(2, 4))) + message_field(4, b"")), "named-sharding field 4"),
+    (message_field(14, message_field(2, message_field(1, int_field(2, 4)))
+                 + message_field(3, message_field(1, int_field(2, 1)))), "a sub-axis"),
 ])
 def test_a_sharding_it_cannot_read_stops_it_with_the_field_named(named, field):
     with pytest.raises(SystemExit, match=field):
