@@ -43,12 +43,16 @@ MAXTEXT_SETTINGS = ["compile_topology=v5p-128", "compile_topology_num_slices=1",
                     "jax_cache_dir="]
 
 
-def maxtext_command(python: str, out_dir: str) -> list[str]:
+def maxtext_command(python: str, out_dir: str, replaced: dict[str, str] | None = None) -> list[str]:
+    """MaxText's ``train_compile`` of the step, run by ``python``; ``replaced``: settings given other values."""
+    replaced = replaced or {}
+    settings = [s for s in MAXTEXT_SETTINGS if s.split("=", 1)[0] not in replaced]
+    settings += [f"{key}={value}" for key, value in replaced.items()]
     source = ("import os, sys, maxtext\n"
               "from maxtext.trainers.pre_train import train_compile\n"
               "base = os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml')\n"
               "train_compile.main(['train_compile', base] + sys.argv[1:])\n")
-    return [python, "-c", source, *MAXTEXT_SETTINGS, f"base_output_directory={out_dir}", "run_name=bench"]
+    return [python, "-c", source, *settings, f"base_output_directory={out_dir}", "run_name=bench"]
 
 
 def timed(command: list[str], log: str) -> tuple[float, int]:

@@ -14,7 +14,7 @@ plus code, as ``tpu-fit`` reports it): MaxText's step compiled by its own
 compiler, the same program compiled by ours, and ``tpu-fit``'s stacked
 full-remat step of the same model, batch and slice (``sdpa`` and, below 128
 chips, flash attention) with its ratio to MaxText's program on the same
-compiler; and draws the three side by side (``--png``).
+compiler; and draws the four side by side (``--png``).
 
 MaxText is run with ``shardy=False``: its program then carries its
 shardings on the instructions, as mesh-axis ("named") shardings, which
@@ -40,12 +40,13 @@ import re
 import subprocess
 import sys
 import tempfile
+
 import numpy as np
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # torch_xla's own default, said without its warning
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_fit_time import MAXTEXT_SETTINGS  # noqa: E402  (the step's settings, kept in one place)
+from bench_fit_time import maxtext_command  # noqa: E402  (the step's settings, kept in one place)
 from proto_wire import fields, hlo_module_of, int_field, message_field  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
@@ -152,19 +153,13 @@ def rewrite_module(dumped: bytes) -> bytes:
 # ------------------------------------------------------------------ the two compiles
 def maxtext_dump(python: str, replaced: dict[str, str], out_dir: str) -> tuple[str, int]:
     """Run MaxText's train_compile dumping its step: (the dump directory, its own HBM used in bytes)."""
-    settings = [s for s in MAXTEXT_SETTINGS if s.split("=", 1)[0] not in replaced]
-    settings += [f"{key}={value}" for key, value in replaced.items()] + ["shardy=False"]
     os.makedirs(out_dir)
     dump = os.path.join(out_dir, "dump")
-    source = ("import os, sys, maxtext\n"
-              "from maxtext.trainers.pre_train import train_compile\n"
-              "base = os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml')\n"
-              "train_compile.main(['train_compile', base] + sys.argv[1:])\n")
     env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_proto --xla_dump_hlo_as_text "
                                       "--xla_dump_hlo_module_re=jit_train_step"}
     log = os.path.join(out_dir, "maxtext.log")
     with open(log, "w") as f:
-        rc = subprocess.call([python, "-c", source, *settings, f"base_output_directory={out_dir}", "run_name=r"],
+        rc = subprocess.call(maxtext_command(python, out_dir, {**replaced, "shardy": "False"}),
                              stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         with open(log) as f:
