@@ -66,7 +66,7 @@ ROWS = {
 }
 
 # ------------------------------------------------------------------ protobuf wire format
-# The script reads and writes three messages of XLA's hlo.proto / xla_data.proto by
+# The script reads and writes these messages of XLA's hlo.proto / xla_data.proto by
 # field number, so that it needs no generated protobuf classes:
 #   HloProto.hlo_module = 1; HloModuleProto.computations = 3; HloComputationProto.instructions = 2;
 #   HloInstructionProto.sharding = 40; OpSharding: type = 1, tile_assignment_dimensions = 3,
@@ -89,8 +89,11 @@ def _mesh_axes(mesh: bytes) -> list[int]:
     return sizes
 
 
-def tile_assignment(named: bytes) -> tuple[list[int], np.ndarray | None]:
-    """The tile dimensions and devices a named sharding denotes; devices None when it is replicated."""
+def tile_assignment(named: bytes) -> tuple[list[int], np.ndarray | None, bool]:
+    """The tile dimensions and devices a named sharding denotes, and whether the last dimension replicates.
+
+    Devices None when the sharding is replicated.
+    """
     sizes: list[int] = []
     dims: list[list[int]] = []
     for number, value, _ in fields(named):
@@ -111,12 +114,12 @@ def tile_assignment(named: bytes) -> tuple[list[int], np.ndarray | None]:
             _refuse(f"named-sharding field {number} (replicated, unreduced or manual axes)")
     tiles = [math.prod(sizes[a] for a in axes) for axes in dims]
     if math.prod(tiles) == 1:
-        return tiles, None
+        return tiles, None, False
     used = [a for axes in dims for a in axes]
     unused = [a for a in range(len(sizes)) if a not in used]
     devices = np.arange(math.prod(sizes)).reshape(sizes).transpose(used + unused)
     rest = math.prod(sizes[a] for a in unused)
-    return tiles + ([rest] if rest > 1 else []), devices.reshape(-1)
+    return tiles + ([rest] if rest > 1 else []), devices.reshape(-1), rest > 1
 
 
 def rewrite_sharding(sharding: bytes) -> bytes:
@@ -126,14 +129,13 @@ def rewrite_sharding(sharding: bytes) -> bytes:
     if not named:
         return b"".join(message_field(5, rewrite_sharding(v)) if n == 5 else raw for n, v, raw in parts)
     kept = b"".join(raw for number, _, raw in parts if number not in (1, 14))
-    tiles, devices = tile_assignment(named[0])
+    tiles, devices, replicate_last = tile_assignment(named[0])
     if devices is None:
         return kept  # type REPLICATED, the default
     out = int_field(1, _OTHER) + b"".join(int_field(3, t) for t in tiles)
     out += b"".join(int_field(4, int(d)) for d in devices)
-    dims = sum(1 for number, _, _ in fields(named[0]) if number == 3)
-    if len(tiles) > dims:
-        out += int_field(6, 1)  # the trailing dimension replicates
+    if replicate_last:
+        out += int_field(6, 1)
     return out + kept
 
 
@@ -191,6 +193,7 @@ def compiled_here(dump: str, topology: str) -> int:
 
 def ours(row: Row, attention: str) -> int | None:
     """HBM used per chip by tpu-fit's step for ``row`` (None: tpu-fit cannot size it with ``attention``)."""
+    from torch_xla_ext.tpu import CompiledForTpu
     from torch_xla_ext.tpu._client import topology_devices
     from torch_xla_ext.tpu.fit import fit, lowering_devices
 
@@ -199,9 +202,10 @@ def ours(row: Row, attention: str) -> int | None:
         return None  # tpu-fit refuses it: the kernel's per-shard shapes do not widen (README, Sizing)
     (report,) = fit(os.path.join(HERE, "configs", row.config), row.topology, batch=row.batch, seq=2048,
                     paths=[row.path], attention=attention)
-    if report.compiled is None or report.compiled.get("hbm_buffer_bytes") is None:
+    used = None if report.compiled is None else CompiledForTpu(**report.compiled).hbm_used_bytes
+    if used is None:
         raise SystemExit(f"tpu-fit did not size {row.path} ({attention}): {report.error}")
-    return report.compiled["hbm_buffer_bytes"] + report.compiled["generated_code_bytes"]
+    return used
 
 
 def main() -> int:
