@@ -213,7 +213,12 @@ def main() -> int:
     ap.add_argument("--maxtext-python", required=True, help="the python of an environment with maxtext[tpu]==0.2.5")
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     ap.add_argument("--png", default="bench_out/maxtext_program.png")
+    ap.add_argument("--libtpu-args", default=None,
+                    help="flags for our compiler only (LIBTPU_INIT_ARGS, set after MaxText's runs), e.g. "
+                         "--xla_tpu_enable_latency_hiding_scheduler=false")
     args = ap.parse_args()
+    if args.libtpu_args is not None and not args.libtpu_args.startswith("--"):
+        ap.error(f"--libtpu-args takes libtpu flags (--name=value ...), got {args.libtpu_args!r}")
     gib = 2 ** 30
     print("HBM used per chip, GiB. MaxText: its step on its compiler (libtpu 0.0.50.1), then on ours (0.0.21); "
           "tpu-fit: the stacked full-remat step on ours, x MaxText's program on the same compiler", flush=True)
@@ -226,6 +231,9 @@ def main() -> int:
         # MaxText's own libtpu starts beside it (or inherits the switch that lets two load at once).
         dumps = {name: maxtext_dump(args.maxtext_python, ROWS[name].maxtext, os.path.join(out, name))
                  for name in args.rows}
+        if args.libtpu_args is not None:  # read when libtpu 0.0.21 starts: here, and in tpu-fit's children
+            os.environ["LIBTPU_INIT_ARGS"] = args.libtpu_args
+            print(f"our compiler's flags: {args.libtpu_args}", flush=True)
         for name in args.rows:
             row = ROWS[name]
             dump, own = dumps[name]
