@@ -26,6 +26,12 @@ ones last, as a replicated trailing dimension. A sharding this does not
 know how to read (explicit mesh device ids, sub-axes, unreduced or manual
 axes) stops the script with its field named, never a guess.
 
+``--libtpu-args`` gives our compiler alone flags (``LIBTPU_INIT_ARGS``, set
+after MaxText's runs, so MaxText's own figure is unchanged; tpu-fit's child
+processes inherit it): with ``--xla_tpu_enable_latency_hiding_scheduler=false``
+the two programs are compared without the scheduler's overlap of
+collectives with compute, which costs memory when a program is far under HBM.
+
     python scripts/maxtext_program.py --maxtext-python /path/to/maxtext-venv/bin/python --rows 8b-fp32 8b-bf16
 """
 
