@@ -6,10 +6,10 @@ scores and their gradients. This sizes exactly that, per chip, for Llama 3's
 8B and 70B head counts, one 2,048-token sequence per chip (a batch of 4 over
 ``v5p:2x2x1``, as ``tpu-fit``'s steps hold one sequence per chip):
 
-* ours: what a Hugging Face Llama runs, ``repeat_kv`` then
-  ``F.scaled_dot_product_attention(is_causal=True)`` (PyTorch's math
-  decomposition on XLA), under ``torch.autocast("xla", bfloat16)`` for the
-  bf16 rows; ``--bf16-reduction`` sets
+* ours: what a Hugging Face Llama runs for an unpadded batch,
+  transformers' ``sdpa_attention_forward`` with no mask (causal
+  ``F.scaled_dot_product_attention``, PyTorch's math decomposition on XLA),
+  under ``torch.autocast("xla", bfloat16)`` for the bf16 rows; ``--bf16-reduction`` sets
   ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` (PyTorch's
   default keeps the scores of bf16 inputs in float32);
 * JAX: ``jax_llama.py``'s formulation, grouped-query attention without
@@ -45,7 +45,7 @@ def ours(heads: int, bf16: bool) -> int:
     import torch
     import torch_xla
     import torch_xla.distributed.spmd as xs
-    from transformers.integrations.sdpa_attention import repeat_kv
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from tpu_bench import compile_torch
 
@@ -63,16 +63,16 @@ def ours(heads: int, bf16: bool) -> int:
     q, k, v = argument(heads), argument(KV_HEADS), argument(KV_HEADS)
     grad_out = argument(heads).detach()
 
+    module = torch.nn.Module()  # what the function reads of a Llama attention module
+    module.num_key_value_groups, module.is_causal, module.layer_idx = heads // KV_HEADS, True, 0
+
     def build() -> list[torch.Tensor]:
         with torch.autocast("xla", dtype=torch.bfloat16, enabled=bf16):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, repeat_kv(k, heads // KV_HEADS), repeat_kv(v, heads // KV_HEADS), is_causal=True,
-                scale=HEAD_DIM ** -0.5)
-        return list(torch.autograd.grad(out, (q, k, v), grad_out))
+            out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=HEAD_DIM ** -0.5)
+        return list(torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad_out))
 
     result = compile_torch(build, TOPOLOGY)
-    assert result.hbm_used_bytes is not None, "the compiler wrote no buffer assignment"
-    return result.hbm_used_bytes
+    return _hbm_used(result)
 
 
 def jax_reference(heads: int, bf16: bool) -> int:
@@ -104,7 +104,12 @@ def jax_reference(heads: int, bf16: bool) -> int:
     spec = lambda n: jax.ShapeDtypeStruct((BATCH, n, SEQ, HEAD_DIM), dtype, sharding=sharded)  # noqa: E731
     jitted = jax.jit(step, out_shardings=(sharded, sharded, sharded))
     result = compile_jax(jitted, [spec(heads), spec(KV_HEADS), spec(KV_HEADS), spec(heads)], TOPOLOGY)
-    assert result.hbm_used_bytes is not None, "the compiler wrote no buffer assignment"
+    return _hbm_used(result)
+
+
+def _hbm_used(result) -> int:
+    if result.hbm_used_bytes is None:
+        raise RuntimeError("the TPU compiler wrote no buffer assignment: HBM used is unknown")
     return result.hbm_used_bytes
 
 
