@@ -30,7 +30,7 @@ axes) stops the script with its field named, never a guess.
 after MaxText's runs, so MaxText's own figure is unchanged; tpu-fit's child
 processes inherit it): with ``--xla_tpu_enable_latency_hiding_scheduler=false``
 the two programs are compared without the scheduler's overlap of
-collectives with compute, which costs memory when a program is far under HBM.
+collectives with compute, which can cost memory.
 
     python scripts/maxtext_program.py --maxtext-python /path/to/maxtext-venv/bin/python --rows 8b-fp32 8b-bf16
 """
