@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Shapes", "shapes_of", "init_params", "loss_and_grads", "adamw", "train_step", "compile_for"]
+__all__ = ["Shapes", "shapes_of", "init_params", "attention", "loss_and_grads", "adamw", "train_step", "compile_for"]
 
 #: ``torch.optim.AdamW``'s defaults, except the learning rate: tpu-fit's step uses lr 1e-4.
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
@@ -123,6 +123,25 @@ def _rms_norm(x, w, eps):
     return w * normed.astype(x.dtype)
 
 
+def attention(q, k, v):
+    """Causal grouped-query attention without repeating K and V: each KV head serves its group of query heads.
+
+    ``q`` is ``[batch, seq, kv_heads, group, head_dim]``, ``k`` and ``v`` are
+    ``[batch, seq, kv_heads, head_dim]``; the result has ``q``'s shape. The
+    scores are scaled by ``head_dim ** -0.5`` and go through the softmax in
+    float32; the probabilities are cast to ``v``'s dtype before they weight it
+    (HF's eager attention, and its ``sdpa`` path's math).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    seq, head_dim = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) * (head_dim ** -0.5)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+
+
 def _layer(s: Shapes, constrain):
     """One decoder layer ``(x, p, cos, sin) -> x`` over one layer's parameters ``p``."""
     import jax
@@ -143,12 +162,7 @@ def _layer(s: Shapes, constrain):
         v = (h @ p["self_attn.v_proj.weight"].T).reshape(b, t, s.kv_heads, s.head_dim)
         q = rope(q.reshape(b, t, s.heads, s.head_dim), cos, sin).reshape(b, t, s.kv_heads, group, s.head_dim)
         k = rope(k, cos, sin)
-        # Grouped-query attention without repeating K and V: each KV head serves its group of query heads.
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) * (s.head_dim ** -0.5)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        o = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, s.heads * s.head_dim)
+        o = attention(q, k, v).reshape(b, t, s.heads * s.head_dim)
         x = constrain(x + o @ p["self_attn.o_proj.weight"].T)
         h = _rms_norm(x, p["post_attention_layernorm.weight"], s.rms_eps)
         gated = jax.nn.silu(h @ p["mlp.gate_proj.weight"].T) * (h @ p["mlp.up_proj.weight"].T)

@@ -95,6 +95,39 @@ def test_loss_and_gradients_equal_the_torch_model(case):
                                    **tolerance(torch.float32, depth, scale=scale), msg=name)
 
 
+def test_attention_equals_torch_causal_grouped_sdpa():
+    """``jax_llama.attention`` (what ``attention_hbm.py`` sizes beside HF's sdpa) against
+    ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``: output and the three input gradients."""
+    batch, seq, kv_heads, group, head_dim = 2, 9, 2, 3, 8
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
+               ((batch, seq, kv_heads, group, head_dim), (batch, seq, kv_heads, head_dim),
+                (batch, seq, kv_heads, head_dim)))
+    grad_out = rng.standard_normal(q.shape).astype(np.float32)
+
+    out, pullback = jax.vjp(jax_llama.attention, q, k, v)
+    grads = pullback(grad_out)
+
+    # torch's layout: [b, heads, s, d], query head h in KV head h // group
+    tq, tk, tv = (torch.from_numpy(x).flatten(2, -2).transpose(1, 2).requires_grad_() if x.ndim == 5
+                  else torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected, (tq, tk, tv),
+                                         torch.from_numpy(grad_out).flatten(2, -2).transpose(1, 2))
+
+    def ours(x) -> torch.Tensor:  # back to torch's layout
+        x = torch.from_numpy(np.array(x))
+        return (x.flatten(2, -2) if x.ndim == 5 else x).transpose(1, 2)
+
+    # the longest accumulation: a score (head_dim terms), the softmax's row (seq), the weighted sum (seq)
+    tol = tolerance(torch.float32, head_dim + 2 * seq)
+    torch.testing.assert_close(ours(out), expected, **tol)
+    for name, got, want in zip("qkv", grads, expected_grads):
+        torch.testing.assert_close(ours(got), want, **tol, msg=name)
+    # the causal mask is there: the first position attends to itself only
+    torch.testing.assert_close(ours(out)[:, :, 0], tv[:, :, 0].detach().repeat_interleave(group, dim=1), **tol)
+
+
 def test_adamw_equals_torch_adamw_over_two_steps():
     rng = np.random.default_rng(3)
     shapes = {"a": (5, 7), "b": (11,)}
