@@ -12,8 +12,9 @@ scores and their gradients. This sizes exactly that, per chip, for Llama 3's
   under ``torch.autocast("xla", bfloat16)`` for the bf16 rows; ``--bf16-reduction`` sets
   ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` (PyTorch's
   default keeps the scores of bf16 inputs in float32);
-* JAX: ``jax_llama.py``'s formulation, grouped-query attention without
-  repeating K and V, the softmax in float32, bf16 inputs for the bf16 rows.
+* JAX: ``jax_llama.attention``, the function the JAX reference step calls:
+  grouped-query attention without repeating K and V, the softmax in float32,
+  bf16 inputs for the bf16 rows.
 
 Both are compiled by ``torch_xla_ext.tpu``'s compile-only client (libtpu
 0.0.21) and read the same way: HBM used per chip (the compiler's HBM buffer
@@ -76,27 +77,29 @@ def ours(heads: int, bf16: bool) -> int:
 
 
 def jax_reference(heads: int, bf16: bool) -> int:
-    """HBM used per chip by ``jax_llama.py``'s attention formulation's forward and backward."""
+    """HBM used per chip by ``jax_llama.attention``'s forward and backward (the function the reference step calls)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from jax_llama import attention
     from torch_xla_ext.tpu import _client
     from tpu_bench import compile_jax
 
-    group = heads // KV_HEADS
     dtype = jnp.bfloat16 if bf16 else jnp.float32
+    group = heads // KV_HEADS
 
-    def attention(q, k, v):  # q: [b, heads, s, d]; k, v: [b, kv_heads, s, d]
-        q = q.reshape(BATCH, KV_HEADS, group, SEQ, HEAD_DIM)
-        scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k) * HEAD_DIM ** -0.5
-        causal = jnp.tril(jnp.ones((SEQ, SEQ), dtype=bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgqs,bksd->bkgqd", probs, v).reshape(BATCH, heads, SEQ, HEAD_DIM)
+    def torch_layout_attention(q, k, v):
+        # The arguments in torch's layout, as ours receives them ([b, heads, s, d]; the TPU pads an array's two
+        # minor dims to its tiles, so the same shapes on both sides keep the arguments the same size), viewed in
+        # jax_llama's (sequence before heads) for the function and back
+        q = q.reshape(BATCH, KV_HEADS, group, SEQ, HEAD_DIM).transpose(0, 3, 1, 2, 4)
+        out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        return out.transpose(0, 2, 3, 1, 4).reshape(BATCH, heads, SEQ, HEAD_DIM)
 
     def step(q, k, v, grad_out):
-        _, pullback = jax.vjp(attention, q, k, v)
+        _, pullback = jax.vjp(torch_layout_attention, q, k, v)
         return pullback(grad_out)
 
     mesh = Mesh(np.array(_client.topology_devices(TOPOLOGY)), ("fsdp",))
