@@ -91,9 +91,9 @@ def jax_reference(heads: int, bf16: bool) -> int:
     group = heads // KV_HEADS
 
     def torch_layout_attention(q, k, v):
-        # The arguments in torch's layout, as ours receives them ([b, heads, s, d]; the TPU pads an array's two
-        # minor dims to its tiles, so the same shapes on both sides keep the arguments the same size), viewed in
-        # jax_llama's (sequence before heads) for the function and back
+        # The arguments in the shapes ours receives ([b, heads, s, d]), so both programs start from the same
+        # arguments (given jax_llama's own layout instead, this program was 17-545 MiB larger: scripts/README),
+        # viewed in jax_llama's layout (sequence before heads) for the function, and its output back
         q = q.reshape(BATCH, KV_HEADS, group, SEQ, HEAD_DIM).transpose(0, 3, 1, 2, 4)
         out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
         return out.transpose(0, 2, 3, 1, 4).reshape(BATCH, heads, SEQ, HEAD_DIM)
