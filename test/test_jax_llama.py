@@ -105,27 +105,24 @@ def test_attention_equals_torch_causal_grouped_sdpa():
                 (batch, seq, kv_heads, head_dim)))
     grad_out = rng.standard_normal(q.shape).astype(np.float32)
 
+    def torch_layout(x) -> torch.Tensor:  # [b, s, kv, group, d] or [b, s, kv, d] -> [b, heads, s, d]
+        x = torch.from_numpy(np.array(x))  # query head kv * group + g in KV head kv, as enable_gqa groups them
+        return (x.flatten(2, -2) if x.ndim == 5 else x).transpose(1, 2)
+
     out, pullback = jax.vjp(jax_llama.attention, q, k, v)
     grads = pullback(grad_out)
 
-    # torch's layout: [b, heads, s, d], query head h in KV head h // group
-    tq, tk, tv = (torch.from_numpy(x).flatten(2, -2).transpose(1, 2).requires_grad_() if x.ndim == 5
-                  else torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+    tq, tk, tv = (torch_layout(x).requires_grad_() for x in (q, k, v))
     expected = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
-    expected_grads = torch.autograd.grad(expected, (tq, tk, tv),
-                                         torch.from_numpy(grad_out).flatten(2, -2).transpose(1, 2))
-
-    def ours(x) -> torch.Tensor:  # back to torch's layout
-        x = torch.from_numpy(np.array(x))
-        return (x.flatten(2, -2) if x.ndim == 5 else x).transpose(1, 2)
+    expected_grads = torch.autograd.grad(expected, (tq, tk, tv), torch_layout(grad_out))
 
     # the longest accumulation: a score (head_dim terms), the softmax's row (seq), the weighted sum (seq)
     tol = tolerance(torch.float32, head_dim + 2 * seq)
-    torch.testing.assert_close(ours(out), expected, **tol)
+    torch.testing.assert_close(torch_layout(out), expected, **tol)
     for name, got, want in zip("qkv", grads, expected_grads):
-        torch.testing.assert_close(ours(got), want, **tol, msg=name)
+        torch.testing.assert_close(torch_layout(got), want, **tol, msg=name)
     # the causal mask is there: the first position attends to itself only
-    torch.testing.assert_close(ours(out)[:, :, 0], tv[:, :, 0].detach().repeat_interleave(group, dim=1), **tol)
+    torch.testing.assert_close(torch_layout(out)[:, :, 0], tv[:, :, 0].detach().repeat_interleave(group, dim=1), **tol)
 
 
 def test_adamw_equals_torch_adamw_over_two_steps():
