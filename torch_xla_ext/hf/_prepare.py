@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._head_grad import reduce_head_gradient_first
 from ._masks import causal_mask, packed_segments
 from ._moe import check_dense_experts, use_dense_experts
 from ..distributed import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -176,6 +177,7 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                 shard_placement_fn=embeddings_on_hidden(model, axis_size(mesh, axis)))
+    reduce_head_gradient_first(model, mp_policy)
     if scan:
         scan_decoder_layers(model, stack, partition_fn=remat)
         config.use_cache = False
