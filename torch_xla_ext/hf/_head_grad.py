@@ -5,10 +5,11 @@ tokens, which are sharded over the chips: each chip computes a full-size
 partial sum (``[vocab, hidden]``, 2 GiB in fp32 for Llama-3 8B, 4 GiB for
 70B), and the partitioner reduces it to the chip's shard. Nothing in the
 program says when: the TPU compiler was measured computing the partial sum
-before the decoder layers' backward loop and reducing it after the loop,
-where the optimizer reads it, so the full-size buffer was live for the whole
-backward (``scripts/maxtext_program.py``; MaxText's own program does the
-same on the same compiler).
+before the decoder layers' backward loop and slicing the reduced sum to the
+shard only inside the optimizer's update after the loop, so a full-size
+buffer was live for the whole backward (scripts/README.md,
+``maxtext_program.py``; MaxText's own program does the same on the same
+compiler).
 
 :func:`reduce_head_gradient_first` ties the two together: when the head's
 weight gradient arrives (already annotated with the weight's sharding by
