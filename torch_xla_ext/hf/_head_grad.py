@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .._annotate import fresh_node, is_fake_tensor
+from .._annotate import fresh_node, is_fake_tensor, is_replicated_spec
 from .._xla import xlac
 from ..distributed import MixedPrecisionPolicy
 
@@ -127,7 +127,7 @@ def reduce_head_gradient_first(model: torch.nn.Module, mp_policy: MixedPrecision
     if not weight.requires_grad or weight.device.type != "xla" \
             or (embedding is not None and getattr(embedding, "weight", None) is weight):
         return False
-    if xlac()._get_xla_sharding_spec(weight) in ("", "{replicated}"):
+    if is_replicated_spec(xlac()._get_xla_sharding_spec(weight)):
         return False
     held = _HeldGradient()
     weight.register_hook(_KeepGradient(held, weight))
