@@ -10,13 +10,13 @@ so Hugging Face never reads a mask on the host.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ._head_grad import reduce_head_gradient_first
 from ._masks import causal_mask, packed_segments
 from ._moe import check_dense_experts, use_dense_experts
 from ..distributed import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -74,7 +74,8 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
       remat: a :mod:`torch_xla_ext.remat` policy for the scanned layers'
         backward (``remat.nothing_saveable`` recomputes each layer from its
         input). Needs ``scan=True``.
-      reshard_after_forward, mp_policy: passed to every ``fully_shard`` call.
+      reshard_after_forward, mp_policy: passed to every ``fully_shard`` call
+        (the output head's without ``output_dtype`` and input casting).
       stacked: store the decoder layers' parameters stacked
         (:func:`torch_xla_ext.stack_layers`: one ``[L, ...]`` parameter per
         name, each layer reading its row), so the scan reads them with no
@@ -89,11 +90,15 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
         parameter) is refused there with an error. The stacked layers are
         moved to the XLA device first.
 
-    What changes: each decoder layer and the model become fully sharded
-    (``fully_shard``; the token embedding and the output head on their
-    hidden dimension, so a lookup stays on each chip: 1.57 GiB less HBM per
-    chip in Llama-3-8B's step on 64 v5p chips), the layer list scans
-    (``scan=True``), and the module
+    What changes: each decoder layer, the output head (unless it is tied to
+    the input embedding) and the model become fully sharded (``fully_shard``;
+    the token embedding and the output head on their hidden dimension, so a
+    lookup stays on each chip: 1.57 GiB less HBM per chip in Llama-3-8B's
+    step on 64 v5p chips; the head as a unit of its own, so its weight's
+    gradient is reduced to its shard before the decoder's backward starts,
+    :func:`_untied_head`; it takes ``mp_policy``'s parameter and gradient
+    dtypes, while the input and output casts stay the model's), the layer
+    list scans (``scan=True``), and the module
     owning the layer list gets a forward pre-hook that replaces a 2-D
     ``attention_mask`` (or none) with :func:`causal_mask` built on the device
     in the model's own form (sliding windows, Gemma 2's per-kind dict; with
@@ -173,11 +178,16 @@ def prepare(model: torch.nn.Module, mesh: Any = None, *, scan: bool = True, rema
 
     # Every check passed: from here on the model changes.
     use_dense_experts(model)
+    placement = embeddings_on_hidden(model, axis_size(mesh, axis))
     for layer in stack:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    head = _untied_head(model)
+    if head is not None:
+        # Its own unit, computing exactly as inside the model's: its input and its logits are not cast.
+        fully_shard(head, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=placement,
+                    mp_policy=replace(mp_policy, output_dtype=None, cast_forward_inputs=False))
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                shard_placement_fn=embeddings_on_hidden(model, axis_size(mesh, axis)))
-    reduce_head_gradient_first(model, mp_policy)
+                shard_placement_fn=placement)
     if scan:
         scan_decoder_layers(model, stack, partition_fn=remat)
         config.use_cache = False
@@ -204,6 +214,33 @@ def _stack_in_place(stack: torch.nn.ModuleList, name: str) -> None:
         if first is not None:
             stack.to(first.device)
         raise ValueError(f"prepare: stacked=True cannot store {name} stacked: {error}") from None
+
+
+def _untied_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's output head when it is a fully sharded unit of its own: a module with a weight whose
+    parameters no other module of the model registers, as a tied input embedding does (else None).
+
+    The head's weight gradient contracts over the tokens, which are sharded,
+    so each chip first holds a full-size partial sum (``[vocab, hidden]``:
+    2 GiB in fp32 for Llama-3-8B) that the partitioner then reduces to the
+    chip's shard. Inside the model's own unit nothing says when: the TPU
+    compiler computed the sum before the decoder layers' backward loop and
+    sliced it to the shard only in the optimizer's update, so a full-size
+    buffer was live through the whole backward (MaxText's program on the
+    same compiler does the same). As a unit of its own the head gets
+    ``fully_shard``'s backward barrier: the gradient it passes back to the
+    decoder waits for its weight's gradient to be reduced to the shard, and
+    its mixed-precision cast is made in its own forward, so autograd reaches
+    that gradient first. A head sharing a parameter with another module (a
+    tied input embedding) stays in the model's unit: that parameter's
+    gradient is complete only after the other module's backward.
+    """
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, torch.nn.Module) or not isinstance(getattr(head, "weight", None), torch.nn.Parameter):
+        return None
+    inside = Counter(id(p) for _, p in head.named_parameters(remove_duplicate=False))
+    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return None if any(everywhere[k] > n for k, n in inside.items()) else head
 
 
 def embeddings_on_hidden(model: torch.nn.Module, size: int) -> Callable[[torch.nn.Parameter], int | None]:
