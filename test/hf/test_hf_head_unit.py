@@ -147,3 +147,14 @@ def test_the_head_casts_neither_its_input_nor_its_logits(mesh, monkeypatch):
     assert seen == seen_ref and dtype == dtype_ref
     torch.testing.assert_close(logits, logits_ref, rtol=0, atol=0)
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)
+
+
+def test_a_head_sharing_a_parameter_with_any_other_module_stays_in_the_models_unit():
+    """Not only a tied embedding: any other module registering one of the head's parameters keeps the head in
+    the model's unit (that parameter's gradient is complete only after the other module's backward)."""
+    model = tiny("llama")
+    assert _prepare._untied_head(model) is model.get_output_embeddings()
+    model.aux = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+    assert _prepare._untied_head(model) is model.get_output_embeddings()
+    model.aux.weight = model.get_output_embeddings().weight
+    assert _prepare._untied_head(model) is None
