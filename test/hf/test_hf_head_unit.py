@@ -62,6 +62,7 @@ def test_without_a_unit_of_its_own_nothing_orders_the_head_gradient(mesh, monkey
     monkeypatch.setattr(_prepare, "_untied_head", lambda model: None)
     model = prepare(tiny("llama"), mesh)
     assert not is_fully_sharded(model.get_output_embeddings())
+    torch.manual_seed(3)
     assert _head_barriers(model, torch.randint(0, VOCAB, (BATCH, SEQ)).to(torch_xla.device())) == 0
 
 
@@ -69,6 +70,7 @@ def test_a_head_tied_to_the_embedding_stays_in_the_models_unit(mesh):
     model = prepare(tiny("gpt2"), mesh)
     head = model.get_output_embeddings()
     assert head.weight is model.get_input_embeddings().weight and not is_fully_sharded(head)
+    torch.manual_seed(3)
     assert _head_barriers(model, torch.randint(0, VOCAB, (BATCH, SEQ)).to(torch_xla.device())) == 0
 
 
@@ -129,6 +131,7 @@ def test_the_head_casts_neither_its_input_nor_its_logits(mesh, monkeypatch):
     """A policy's ``output_dtype`` and input cast stay the model's unit's: the head's logits, the model's output
     and the loss are those of the model whose head is not a unit of its own."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    torch.manual_seed(7)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ)).to(torch_xla.device())
     results = []
     for own_unit in (True, False):
