@@ -69,6 +69,10 @@ ROWS = {
     "8b-bf16": Row({"dtype": "bfloat16"}, "v5p:4x4x4", "llama3_8b.json", 64, "scan+nothing_saveable+bf16+stacked"),
     "70b-fp32": Row({"model_name": "llama3-70b", "compile_topology": "v5p-512"}, "v5p:8x8x4", "llama3_70b.json", 256,
                     "scan+nothing_saveable+stacked"),
+    # 70B on the 8B rows' 64 chips, one sequence a chip as on 256: tpu-fit lowers it on the slice's own
+    # devices, so flash attention is sized too (on 256 chips the kernel's per-shard shapes do not widen).
+    "70b-fp32-64": Row({"model_name": "llama3-70b"}, "v5p:4x4x4", "llama3_70b.json", 64,
+                       "scan+nothing_saveable+stacked"),
 }
 
 # ------------------------------------------------------------------ protobuf wire format
