@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch_xla
 
-from torch_xla_ext import remat
+from torch_xla_ext import ScanInputError, remat
 from torch_xla_ext.distributed import FSDPModule, fully_shard
 from torch_xla_ext.hf import ScannedLayers, prepare, prepared_options
 from torch_xla_ext.scan import scan_cache_info
@@ -158,6 +158,31 @@ def test_prepared_training_step_matches_cpu_with_remat(mesh):
     xla_loss = model(input_ids=ids_d, labels=ids_d).loss
     xla_loss.backward()
     torch_xla.sync()
+    torch.testing.assert_close(xla_loss.cpu(), loss.detach(), **TOL)
+    cpu_grads = dict(cpu.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), cpu_grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_layer_put_in_after_prepare_is_refused_until_fully_sharded_then_trains_like_cpu(mesh):
+    cpu = tiny("llama")
+    model = prepare(copy.deepcopy(cpu), mesh)
+    torch.manual_seed(7)
+    fresh = type(cpu.model.layers[1])(cpu.config, 1)
+    cpu.model.layers[1] = fresh
+    model.model.layers[1] = copy.deepcopy(fresh).to(torch_xla.device())
+    ids = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(3))
+    ids_d = ids.to(torch_xla.device())
+    # Both classes are named LlamaDecoderLayer (fully_shard keeps the name): the message must say which is which.
+    with pytest.raises(ScanInputError, match=r"two classes of one name .* layers\[0\]'s class is a subclass of "
+                                             r"layers\[1\]'s .* must be fully sharded like the others"):
+        model(input_ids=ids_d, labels=ids_d)
+    fully_shard(model.model.layers[1], mesh=mesh)
+    xla_loss = model(input_ids=ids_d, labels=ids_d).loss
+    xla_loss.backward()
+    torch_xla.sync()
+    loss = cpu(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
     torch.testing.assert_close(xla_loss.cpu(), loss.detach(), **TOL)
     cpu_grads = dict(cpu.named_parameters())
     for name, p in model.named_parameters():

@@ -209,6 +209,30 @@ def test_children_of_another_class_are_refused(device):
         txe.scan_layers(layers, torch.randn(4, 8, device=device))
 
 
+def test_layers_of_another_class_are_refused_naming_both_classes(device):
+    class Other(Block):
+        pass
+
+    def init(self: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.lin, self.act, self._scale, self.residual = nn.Linear(8, 8), nn.Tanh(), 1.0, True
+
+    # A class printed as Block that is not Block nor derived from it (a module reloaded, say).
+    same_name = type("Block", (nn.Module,), {"__init__": init, "forward": Block.forward,
+                                             "__qualname__": Block.__qualname__, "__module__": Block.__module__})
+    h = torch.randn(4, 8, device=device)
+    layers = _layers(device)
+    layers[2] = Other().to(device)
+    with pytest.raises(txe.ScanInputError, match=r"layers\[2\] is a Other but layers\[0\] is a Block; all layers "
+                                                 r"must be of one class$"):
+        txe.scan_layers(layers, h)
+    layers = _layers(device)
+    layers[1] = same_name().to(device)  # not a wrapper's subclass: no fully_shard advice
+    with pytest.raises(txe.ScanInputError, match=r"layers\[1\] is a Block but layers\[0\] is a Block, two classes of one "
+                                                 r"name defined twice .*; all layers must be of one class$"):
+        txe.scan_layers(layers, h)
+
+
 def test_a_child_of_a_subclass_that_computes_the_same_is_accepted(device):
     class MyTanh(nn.Tanh):
         pass

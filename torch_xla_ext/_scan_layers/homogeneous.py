@@ -58,8 +58,7 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
                 + " Scanned layers must have the same parameters and buffers."
             )
         if type(layer) is not type(first):
-            raise ScanInputError(f"scan_layers: layers[{i}] is a {type(layer).__name__} but layers[0] is a "
-                                 f"{type(first).__name__}; all layers must be of one class")
+            raise ScanInputError(_other_class(type(first), type(layer), i))
         specs = _canonical_specs(list(state.values()))
         for (name, t), spec, ref_spec in zip(state.items(), specs, ref_specs):
             r = ref[name]
@@ -73,6 +72,28 @@ def check_members(layers: Sequence[torch.nn.Module], states: list[dict[str, torc
                     raise ScanInputError(f"scan_layers: layers[{i}].{name} has {what} {a} but layers[0].{name} "
                                          f"has {b}; scanned layers must be homogeneous")
     return names
+
+
+def _other_class(first: type, other: type, index: int) -> str:
+    """Why ``layers[index]`` (of class ``other``) cannot be scanned with ``layers[0]`` (of class ``first``)."""
+    message = f"scan_layers: layers[{index}] is a {other.__name__} but layers[0] is a {first.__name__}"
+    if other.__qualname__ != first.__qualname__ or other.__module__ != first.__module__:
+        return message + "; all layers must be of one class"
+    # Two class objects that print alike: a wrapper's subclass that keeps the name (fully_shard's) and its base.
+    bases = {cls: ", ".join(b.__name__ for b in cls.__bases__) for cls in (first, other)}
+    if bases[first] == bases[other]:
+        message += ", two classes of one name defined twice (a module reloaded?); all layers must be of one class"
+    else:
+        message += (f", two classes of one name (layers[0]'s derives from {bases[first]}, layers[{index}]'s from "
+                    f"{bases[other]}); all layers must be of one class")
+    if issubclass(first, other) or issubclass(other, first):
+        wrapped, plain = (0, index) if issubclass(first, other) else (index, 0)
+        message += (f". layers[{wrapped}]'s class is a subclass of layers[{plain}]'s made by wrapping the layer "
+                    f"(fully_shard keeps the name): ")
+        message += ("a layer put in after fully_shard or hf.prepare must be fully sharded like the others "
+                    "(fully_shard(layer, mesh=..., with their options)) before it is scanned" if wrapped == 0 else
+                    "fully shard every layer or none")
+    return message
 
 
 def attribute_groups(layers: Sequence[torch.nn.Module]) -> list[list[int]]:
